@@ -1,0 +1,383 @@
+"""Static shape, dtype and device inference over symbolic dims.
+
+`build(spec)` resolves dims and models and turns the document into an `ir.Graph`; `infer(graph, ctx)` types
+every output from the op contracts. Both collect problems and raise one GraphError naming file, line, TOML
+path, node, expected vs actual and the current dim bindings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ..errors import GraphError, Location, Problem, did_you_mean
+from ..ir.dims import DimEnv, DimError
+from ..ir.graph import CycleError, Graph, Node, Ref
+from ..ir.types import Dim, TensorType
+from ..models.registry import ARCHS
+from ..ops import registry
+from ..ops.contract import BindContext, ContractError, OpDef, build as build_dims, dim_of, match
+from ..spec.document import GraphSpec, ModelSpec
+from ..units import DTYPE_BYTES
+
+
+@attrs.frozen
+class ModelInfo:
+    spec: ModelSpec
+    config: Mapping[str, Any]      # with dim expressions evaluated
+    dims: Any                      # the arch's Dims object
+
+    def component_owner(self, comp: str) -> str:
+        """'target.lm_head' for a component this model takes from another through `shares`."""
+        return self.spec.shares.get(comp, f"{self.spec.name}.{comp}")
+
+
+@attrs.frozen
+class GraphContext:
+    """Everything about a graph that is not its nodes: dims, devices, models. Shared by every rewrite of it."""
+    spec: GraphSpec
+    env: DimEnv = attrs.field(eq=False)
+    models: Mapping[str, ModelInfo]
+
+    def loc(self, node: Node, *sub: str | int) -> Location:
+        if node.spec_index is not None:
+            return self.spec.node_loc(_spec_node(self.spec, node.spec_index), *sub)
+        return Location(self.spec.file, None, f"node '{node.id}' (made by a rewrite)")
+
+    def devices_of(self, placement: str) -> tuple[str, ...]:
+        return self.spec.placement(placement)
+
+
+def _spec_node(spec: GraphSpec, index: int):
+    return next(n for n in spec.nodes if n.index == index)
+
+
+@attrs.frozen
+class Typed:
+    """A graph with a type for every output it produces."""
+    graph: Graph
+    ctx: GraphContext
+    types: Mapping[Ref, TensorType]
+    params: Mapping[str, Mapping[str, Any]]   # per node: params with defaults filled and dims evaluated
+
+    def outputs_of(self, nid: str) -> dict[str, TensorType]:
+        return {r.output: t for r, t in self.types.items() if r.node == nid}
+
+    def inputs_of(self, nid: str) -> dict[str, TensorType]:
+        return {p: self.types[r] for p, r in self.graph[nid].inputs}
+
+
+# -- building ------------------------------------------------------------------------------------------------
+
+def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
+    problems: list[Problem] = []
+    env = DimEnv(spec.dims, {name: m.config for name, m in spec.models.items()})
+    for name in spec.dims:
+        try:
+            env.value(name)
+        except DimError as e:
+            problems.append(Problem(str(e), spec.loc("dims", name),
+                                    hint="dims must be positive integers or expressions of other dims and model.config_key"))
+    models: dict[str, ModelInfo] = {}
+    for name, m in spec.models.items():
+        cfg = {}
+        for k, v in m.config.items():
+            if isinstance(v, str) and _is_dim_expr(v, env, spec):
+                try:
+                    v = env.eval_text(v)[1]
+                except DimError as e:
+                    problems.append(Problem(str(e), spec.loc("models", name, "config", k)))
+            cfg[k] = v
+        try:
+            dims = ARCHS[m.arch].dims(cfg)
+        except (ValueError, TypeError, KeyError) as e:
+            problems.append(Problem(f"invalid {m.arch} config for model '{name}': {e}", spec.loc("models", name, "config"),
+                                    hint=f"see docs/toml-reference.md for arch '{m.arch}'"))
+            continue
+        models[name] = ModelInfo(m, cfg, dims)
+    if problems:
+        raise GraphError(problems)
+    ctx = GraphContext(spec, env, models)
+    nodes = []
+    for ns in spec.nodes:
+        op = registry.get(ns.op)
+        node_loc = spec.node_loc(ns, "op")
+        if op is None:
+            problems.append(Problem(f"unknown op '{ns.op}'{did_you_mean(ns.op, list(registry.all_ops()))}", node_loc,
+                                    node=ns.id, hint="valid ops: " + ", ".join(sorted(registry.all_ops()))))
+            continue
+        if isinstance(ns.inputs, tuple):
+            if op.variadic_input:
+                ports = [f"{op.variadic_input}{i}" for i in range(len(ns.inputs))]
+            else:
+                ports = [p.name for p in op.input_ports(ns.params)]
+                if len(ns.inputs) > len(ports):
+                    problems.append(Problem(f"op '{op.name}' takes {len(ports)} inputs ({', '.join(ports) or 'none'}), "
+                                            f"got {len(ns.inputs)}", spec.node_loc(ns, "inputs"), node=ns.id))
+                    continue
+            inputs = tuple((p, Ref.parse(r)) for p, r in zip(ports, ns.inputs))
+        else:
+            inputs = tuple((p, Ref.parse(r)) for p, r in ns.inputs.items())
+        nodes.append(Node(ns.id, ns.op, inputs, dict(ns.params), ns.device, ns.model, spec_index=ns.index))
+    if problems:
+        raise GraphError(problems)
+    ids = {n.id for n in nodes}
+    for n in nodes:
+        for port, r in n.inputs:
+            if r.node not in ids:
+                problems.append(Problem(f"input '{port}' reads '{r}', but there is no node '{r.node}'"
+                                        f"{did_you_mean(r.node, sorted(ids))}", ctx.loc(n, "inputs", port), node=n.id,
+                                        hint="inputs are written as \"node_id.output\""))
+    if problems:
+        raise GraphError(problems)
+    try:
+        graph = Graph(nodes)
+    except CycleError as e:
+        by_id = {n.id: n for n in nodes}
+        where = ", ".join(f"'{c}' (line {ctx.loc(by_id[c]).line})" for c in e.cycle[:-1])
+        raise GraphError(Problem(f"the graph has a cycle: {' -> '.join(e.cycle)}", ctx.loc(by_id[e.cycle[0]], "inputs"),
+                                 node=e.cycle[0], hint=f"nodes on the cycle: {where}; a dataflow graph must be acyclic")) from None
+    return graph, ctx
+
+
+def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
+    from ..ir.dims import names_in, parse_expr
+
+    try:
+        names = names_in(parse_expr(v))
+    except DimError:
+        return False
+    known = set(spec.dims) | {f"{m}.{k}" for m, ms in spec.models.items() for k in ms.config}
+    return bool(names) and all(n in known for n in names)
+
+
+# -- inference -----------------------------------------------------------------------------------------------
+
+def infer(graph: Graph, ctx: GraphContext) -> Typed:
+    types: dict[Ref, TensorType] = {}
+    params: dict[str, Mapping[str, Any]] = {}
+    problems: list[Problem] = []
+    failed: set[str] = set()
+    for node in graph.nodes:
+        if any(r.node in failed for _, r in node.inputs):
+            failed.add(node.id)
+            continue
+        try:
+            p, outs = _infer_node(node, graph, ctx, types)
+        except _NodeProblem as e:
+            problems.append(e.problem)
+            failed.add(node.id)
+            continue
+        params[node.id] = p
+        for name, t in outs.items():
+            types[Ref(node.id, name)] = t
+    if problems:
+        raise GraphError(problems)
+    return Typed(graph, ctx, types, params)
+
+
+class _NodeProblem(Exception):
+    def __init__(self, problem: Problem):
+        self.problem = problem
+
+
+def _infer_node(node: Node, graph: Graph, ctx: GraphContext, types: Mapping[Ref, TensorType]):
+    spec = ctx.spec
+    op = registry.get(node.op)
+
+    def fail(msg: str, *sub: str | int, **kw) -> _NodeProblem:
+        return _NodeProblem(Problem(msg, ctx.loc(node, *sub), node=node.id, **kw))
+
+    if op is None:
+        raise fail(f"unknown op '{node.op}'", "op")
+    # device
+    if node.device not in spec.devices and node.device not in spec.groups:
+        choices = [*spec.devices, *spec.groups]
+        raise fail(f"unknown device '{node.device}'{did_you_mean(node.device, choices)}", "device",
+                   hint="devices and groups: " + ", ".join(choices))
+    # model
+    model = None
+    if op.model_arch:
+        if node.model is None:
+            raise fail(f"op '{op.name}' needs a model", "model", hint="models: " + ", ".join(ctx.models))
+        model = ctx.models.get(node.model)
+        if model is None:
+            raise fail(f"unknown model '{node.model}'{did_you_mean(node.model, list(ctx.models))}", "model",
+                       hint="models: " + (", ".join(ctx.models) or "(none: add [models.<name>])"))
+        if model.spec.arch not in op.model_arch:
+            raise fail(f"op '{op.name}' needs a model of arch {' or '.join(op.model_arch)}, but '{node.model}' is "
+                       f"'{model.spec.arch}'", "model")
+    elif node.model is not None:
+        raise fail(f"op '{op.name}' does not use a model, but model = '{node.model}' is set", "model")
+    # params
+    p = _check_params(node, op, ctx, fail)
+    p["_n_inputs"] = len(node.inputs)
+    # inputs
+    ports = op.input_ports(p, len(node.inputs))
+    names = [x.name for x in ports]
+    given = dict(node.inputs)
+    for port in given:
+        if port not in names:
+            raise fail(f"op '{op.name}' has no input '{port}'{did_you_mean(port, names)}", "inputs", port,
+                       hint="inputs: " + (", ".join(names) or "(none)"))
+    for port in names:
+        if port not in given:
+            raise fail(f"missing input '{port}' for op '{op.name}'", "inputs",
+                       hint="inputs: " + ", ".join(f"{x.name} [{x.dims}]" for x in ports))
+    in_types: dict[str, TensorType] = {}
+    for port in ports:
+        r = given[port.name]
+        if Ref(r.node, r.output) not in types:
+            outs = sorted(o.output for o in types if o.node == r.node)
+            raise fail(f"input '{port.name}' reads '{r}', but node '{r.node}' has no output '{r.output}'"
+                       f"{did_you_mean(r.output, outs)}", "inputs", port.name, hint="its outputs: " + ", ".join(outs))
+        in_types[port.name] = types[r]
+    # devices joined
+    out_device = node.device
+    for port, t in in_types.items():
+        if op.device_rule == "node" and t.device != node.device:
+            producer = given[port].node
+            raise fail(f"input '{port}' comes from '{producer}' on device '{t.device}', but this node runs on "
+                       f"'{node.device}': two devices joined without a transfer", "inputs", port,
+                       expected=f"device {node.device}", actual=f"device {t.device} ({given[port]})",
+                       hint=f"add a transfer node: {{ id = \"{producer}_to_{node.device}\", op = \"transfer\", "
+                            f"inputs = {{ x = \"{given[port]}\" }}, device = \"{node.device}\" }}")
+    # dtypes
+    mdtype = model.spec.dtype if model else None
+    for port in ports:
+        t = in_types[port.name]
+        want = _dtype(port.dtype, mdtype, in_types)
+        ok = (t.dtype in ("float32", "bfloat16", "float16", "float64")) if want == "float" else (want is None or t.dtype == want)
+        if not ok:
+            raise fail(f"input '{port.name}' has dtype {t.dtype}, but op '{op.name}' expects {want}", "inputs", port.name,
+                       expected=f"{want} [{port.dims}]", actual=f"{t.dtype} {t.sym_str()} from {given[port.name]}",
+                       hint="check the producer's model dtype, or convert upstream")
+    # shapes
+    bctx = _bind_ctx(p, model, ctx)
+    binds: dict[str, Any] = {}
+    try:
+        if op.bind:
+            for k, (sym, val) in op.bind(bctx).items():
+                binds[k] = dim_of(sym, val)
+    except (DimError, KeyError, ValueError) as e:
+        raise fail(f"cannot bind the dims of op '{op.name}': {e}", "params")
+    out_shapes: dict[str, tuple[Dim, ...]] = {}
+    for port in ports:
+        t = in_types[port.name]
+        try:
+            match(port.dims, t.shape, binds)
+        except ContractError as e:
+            producer = given[port.name]
+            raise fail(f"shape mismatch on input '{port.name}' (from '{producer}'): {e}", "inputs", port.name,
+                       expected=f"[{port.dims}]" + (f" ({e.expected})" if e.expected else ""),
+                       actual=f"{t.sym_str()} = {t.concrete_str()}",
+                       context=ctx.env.bindings_text() + "  bound: " + _binds_text(binds),
+                       hint=f"'{producer.node}' produces {t.sym_str()}; make the dims agree or insert the op that "
+                            "converts between them") from None
+    out_ports = op.output_ports(p)
+    try:
+        if op.shape_fn:
+            out_shapes = dict(op.shape_fn(bctx, in_types))
+        for port in out_ports:
+            if port.name not in out_shapes:
+                out_shapes[port.name] = build_dims(port.dims, binds)
+    except ContractError as e:
+        raise fail(f"cannot infer the output shape of op '{op.name}': {e}", "params",
+                   expected=e.expected, actual=e.actual) from None
+    if op.device_rule == "transfer":
+        out_device = node.device
+    outs = {}
+    for port in out_ports:
+        dt = _dtype(port.dtype, mdtype, in_types) or "float32"
+        outs[port.name] = TensorType(out_shapes[port.name], dt, out_device)
+    return p, outs
+
+
+def _dtype(rule: str, model_dtype: str | None, in_types: Mapping[str, TensorType]) -> str | None:
+    if rule == "model":
+        return model_dtype
+    if rule.startswith("like:"):
+        t = in_types.get(rule[5:])
+        return t.dtype if t else None
+    return rule
+
+
+def _binds_text(binds: Mapping[str, Any]) -> str:
+    out = []
+    for k, v in binds.items():
+        if isinstance(v, tuple):
+            out.append(f"*{k}=(" + ",".join(str(d.value) for d in v) + ")")
+        else:
+            out.append(f"{k}={v.value}")
+    return " ".join(out)
+
+
+def _bind_ctx(p: Mapping[str, Any], model: ModelInfo | None, ctx: GraphContext) -> BindContext:
+    def model_ref(key: str):
+        if model is None:
+            raise KeyError(f"no model to read '{key}' from")
+        if key in model.config:
+            return ctx.env.ref(model.spec.name, key) if not isinstance(model.config[key], str) else ctx.env.eval_text(model.config[key])
+        v = getattr(model.dims, key)
+        alias = ctx.env.alias_of_ref.get(f"{model.spec.name}.{key}")
+        return ctx.env.get(alias) if alias else (__import__("sympy").Integer(v), v)
+
+    return BindContext(params=p,
+                       model_config=model.config if model else None, model_dims=model.dims if model else None,
+                       dim=ctx.env.eval_text, model_ref=model_ref)
+
+
+_KIND_OK = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
+    "dim": lambda v: isinstance(v, (int, str)) and not isinstance(v, bool),
+    "list[int]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in v),
+}
+
+
+def _check_params(node: Node, op: OpDef, ctx: GraphContext, fail) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    names = [x.name for x in op.params]
+    for k in node.params:
+        if k.startswith("_"):
+            continue
+        if op.param(k) is None:
+            raise fail(f"op '{op.name}' has no param '{k}'{did_you_mean(k, names)}", "params", k,
+                       hint="params: " + (", ".join(names) or "(none)"))
+    dim_params = []
+    for prm in op.params:
+        if prm.name in node.params:
+            v = node.params[prm.name]
+        elif prm.required:
+            raise fail(f"op '{op.name}' needs param '{prm.name}'", "params", hint=f"{prm.name}: {prm.doc}")
+        else:
+            v = prm.default
+        if not _KIND_OK[prm.kind](v):
+            raise fail(f"param '{prm.name}' must be {prm.kind}, got {v!r}", "params", prm.name, hint=prm.doc)
+        if prm.choices and v not in prm.choices:
+            raise fail(f"param '{prm.name}' = {v!r} is not one of {', '.join(prm.choices)}", "params", prm.name)
+        if prm.kind == "dim":
+            try:
+                sym, val = ctx.env.eval_text(v)
+            except DimError as e:
+                raise fail(f"param '{prm.name}': {e}", "params", prm.name) from None
+            if val <= 0:
+                raise fail(f"param '{prm.name}' = {v!r} evaluates to {val}, which is not a positive size", "params", prm.name)
+            v = (sym, val)
+            dim_params.append(prm.name)
+        out[prm.name] = v
+    if "capture" in out and node.model in ctx.models:
+        n_layers = getattr(ctx.models[node.model].dims, "num_hidden_layers", None)
+        for i in out["capture"]:
+            if n_layers is not None and not 0 <= i < n_layers:
+                raise fail(f"capture layer {i} does not exist: model '{node.model}' has layers 0..{n_layers - 1}",
+                           "params", "capture")
+    out["_dim_params"] = tuple(dim_params)
+    return out
+
+
+def dtype_bytes(t: TensorType) -> int:
+    return DTYPE_BYTES[t.dtype]

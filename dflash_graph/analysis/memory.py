@@ -1,0 +1,349 @@
+"""Per-device memory over the schedule, and the OOM verdict.
+
+For every physical device this builds the allocation sequence of two training steps (the second shows the
+allocator's steady state) from the graph and the op costs:
+
+  load       resident weights per model component used on the device (a component shared by two models counts
+             once), transfer queue buffers; for trainable models fp32 master weights and AdamW's two fp32
+             moments (see NOTE [Trainable memory])
+  forward    nodes in topological order: each node's program (temporaries, outputs), then inputs are freed after
+             their last consumer, unless autograd saved them for backward
+  backward   trainable-path nodes in reverse: parameter gradients on first touch, input gradients, saved tensors
+             freed
+  optimizer  AdamW's foreach temporaries, then gradients freed (zero_grad(set_to_none=True))
+
+The allocated peak is the live bytes (torch.cuda.max_memory_allocated); the reserved peak comes from replaying
+the same sequence through a model of PyTorch's caching allocator (analysis/allocator.py). The verdict compares
+what the allocator must reserve with the device's capacity less what lies outside the allocator.
+
+NOTE [Trainable memory]: a trainable model whose dtype is not float32 is trained the usual mixed-precision way:
+fp32 master weights (4 B/param), fp32 gradients (4 B), AdamW exp_avg and exp_avg_sq in fp32 (8 B), and the
+forward runs under autocast, whose cache holds a copy of each weight in the compute dtype from the forward to
+the end of backward (2 B/param for bf16). A float32 model has no autocast copies: 16 B/param in all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ..ir.graph import Node, Ref
+from ..models.registry import ARCHS
+from ..ops import registry
+from ..ops.costs import CostContext, NodeCost
+from ..units import DTYPE_BYTES, fmt_bytes
+from .allocator import AllocatorConfig, Event, simulate
+from .infer import Typed
+
+STEPS_SIMULATED = 2
+
+
+@attrs.frozen
+class Oom:
+    device: str
+    node: str
+    tensor: str              # what was being allocated: "logits [65,536, 248,320] bfloat16"
+    requested_bytes: int
+    free_bytes: int          # usable - reserved at the failure
+    capacity_bytes: int
+    reserved_bytes: int
+    allocated_bytes: int
+    outside_allocator_bytes: int
+
+    def message(self, torch_device: str) -> str:
+        # Worded like PyTorch's torch.OutOfMemoryError (c10/cuda/CUDACachingAllocator.cpp)
+        unalloc = self.reserved_bytes - self.allocated_bytes
+        return (f"Tried to allocate {fmt_bytes(self.requested_bytes)}. Device {self.device} ({torch_device}) has a total "
+                f"capacity of {fmt_bytes(self.capacity_bytes)} of which {fmt_bytes(self.free_bytes)} is free. Of the "
+                f"allocated memory {fmt_bytes(self.allocated_bytes)} is allocated by PyTorch, and {fmt_bytes(unalloc)} "
+                f"is reserved by PyTorch but unallocated; {fmt_bytes(self.outside_allocator_bytes)} is outside the "
+                f"allocator. At node '{self.node}', allocating {self.tensor}.")
+
+
+@attrs.frozen
+class DeviceMemory:
+    name: str
+    torch: str
+    capacity_bytes: int
+    usable_bytes: int
+    weight_bytes: int
+    optimizer_bytes: int
+    peak_bytes: int              # allocated peak (rounded blocks, as torch.cuda.max_memory_allocated)
+    live_peak_bytes: int         # the same without the allocator's 512 B rounding
+    peak_node: str
+    reserved_peak_bytes: int
+    reserved_peak_node: str
+    node_peaks: Mapping[str, int]   # live bytes at each node's own peak
+    oom: Oom | None
+    timeline: tuple[tuple[int, int], ...] = attrs.field(repr=False, eq=False)
+    labels: tuple[str, ...] = attrs.field(repr=False, eq=False)
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.usable_bytes - self.reserved_peak_bytes
+
+
+@attrs.frozen
+class MemoryReport:
+    devices: Mapping[str, DeviceMemory]
+    allocator: AllocatorConfig
+
+    @property
+    def fits(self) -> bool:
+        return all(d.oom is None for d in self.devices.values())
+
+    @property
+    def ooms(self) -> list[Oom]:
+        return [d.oom for d in self.devices.values() if d.oom is not None]
+
+
+# -- costs --------------------------------------------------------------------------------------------------
+
+def grad_nodes(typed: Typed) -> set[str]:
+    """Nodes autograd records: those using a trainable model's own weights, and everything downstream of them."""
+    out: set[str] = set()
+    for n in typed.graph.nodes:
+        op = registry.get(n.op)
+        seed = False
+        if n.model and op.components:
+            m = typed.ctx.models[n.model]
+            seed = m.spec.trainable and any(m.component_owner(c).split(".")[0] == n.model for c in op.components)
+        if seed or any(r.node in out for _, r in n.inputs):
+            out.add(n.id)
+    return out
+
+
+def node_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
+    op = registry.get(node.op)
+    if op.cost is None:
+        return NodeCost()
+    ins, outs = typed.inputs_of(node.id), typed.outputs_of(node.id)
+    model = typed.ctx.models.get(node.model) if node.model else None
+    if model is not None:
+        db = DTYPE_BYTES[model.spec.dtype]
+    else:
+        db = DTYPE_BYTES[next(iter(ins.values())).dtype] if ins else 4
+    return op.cost(CostContext(node, ins, outs, model.dims if model else None, db, grad))
+
+
+def component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
+    """Per physical device: owner component ('target.lm_head') -> parameter count."""
+    out: dict[str, dict[str, int]] = {}
+    for n in typed.graph.nodes:
+        op = registry.get(n.op)
+        if not n.model or not op.components:
+            continue
+        m = typed.ctx.models[n.model]
+        for comp in op.components:
+            owner = m.component_owner(comp)
+            oname, ocomp = owner.split(".")
+            om = typed.ctx.models[oname]
+            params = ARCHS[om.spec.arch].component_params(om.dims).get(ocomp, 0)
+            for dev in typed.ctx.devices_of(n.device):
+                out.setdefault(dev, {})[owner] = params
+    return out
+
+
+# -- events -------------------------------------------------------------------------------------------------
+
+class _Seq:
+    def __init__(self):
+        self.events: list[Event] = []
+        self.ids: dict[Any, int] = {}
+        self.sizes: dict[int, int] = {}
+        self._next = 0
+
+    def alloc(self, key: Any, size: int, label: str) -> None:
+        if size <= 0:
+            return
+        tid = self._next
+        self._next += 1
+        self.ids[key] = tid
+        self.sizes[tid] = size
+        self.events.append(Event("alloc", tid, size, label))
+
+    def free(self, key: Any, label: str) -> None:
+        tid = self.ids.pop(key, None)
+        if tid is not None:
+            self.events.append(Event("free", tid, self.sizes[tid], label))
+
+    def live(self, key: Any) -> bool:
+        return key in self.ids
+
+
+def _tensor_desc(typed: Typed, ref: Ref) -> str:
+    t = typed.types.get(ref)
+    return f"{ref.output} {t.concrete_str()} {t.dtype}" if t else ref.output
+
+
+def device_events(typed: Typed, device: str, steps: int = STEPS_SIMULATED) -> tuple[list[Event], dict[str, int]]:
+    """The allocation sequence of `steps` training steps on one physical device, and weight/optimizer bytes."""
+    g, ctx = typed.graph, typed.ctx
+    on = [n for n in g.nodes if device in ctx.devices_of(n.device)]
+    on_ids = {n.id for n in on}
+    grads = grad_nodes(typed)
+    costs = {n.id: node_cost(typed, n, n.id in grads) for n in on}
+    seq = _Seq()
+    # load: weights (a model's decoder layers as one tensor block per layer), optimizer state, queue buffers
+    weight_bytes = opt_bytes = 0
+    trainable_params: dict[str, int] = {}
+    for owner, params in sorted(component_bytes(typed).get(device, {}).items()):
+        mname, comp = owner.split(".")
+        m = ctx.models[mname]
+        width = 4 if m.spec.trainable else DTYPE_BYTES[m.spec.dtype]
+        nblocks = getattr(m.dims, "num_hidden_layers", 1) if comp == "layers" else 1
+        for b in range(nblocks):
+            seq.alloc(("w", owner, b), params * width // nblocks, f"load/weights {owner}")
+        weight_bytes += params * width
+        if m.spec.trainable:
+            trainable_params[owner] = params
+            for k in ("exp_avg", "exp_avg_sq"):
+                seq.alloc(("opt", owner, k), params * 4, f"load/AdamW {k} {owner}")
+                opt_bytes += params * 4
+    for n in on:
+        op = registry.get(n.op)
+        if op.traits.movement and n.device == device or (op.traits.movement and device in ctx.devices_of(n.device)):
+            q = int(typed.params[n.id].get("queue", 1))
+            for k in range(max(q - 1, 0)):
+                seq.alloc(("queue", n.id, k), typed.types[Ref(n.id, "out")].nbytes, f"{n.id}/queue buffer {k + 1}")
+    consumers_left_init: dict[Ref, int] = {}
+    for n in g.nodes:
+        for _, r in n.inputs:
+            consumers_left_init[r] = consumers_left_init.get(r, 0) + 1
+    for step in range(steps):
+        left = dict(consumers_left_init)
+        saved_refs: dict[Ref, int] = {}     # ref -> backward nodes still holding it
+        autocast: list[str] = []
+        for n in g.nodes:
+            here = n.id in on_ids
+            cost = costs.get(n.id, NodeCost())
+            if here:
+                label = n.id
+                if n.id in grads and n.model:
+                    m = ctx.models[n.model]
+                    if m.spec.trainable and m.spec.dtype != "float32":
+                        for owner, params in trainable_params.items():
+                            if owner.startswith(n.model + ".") and not seq.live(("autocast", owner)):
+                                seq.alloc(("autocast", owner), params * DTYPE_BYTES[m.spec.dtype], f"{n.id}/autocast weight copy")
+                                autocast.append(owner)
+                outs = typed.outputs_of(n.id)
+                program = cost.program
+                if program is None:
+                    program = (("alloc", "ws", cost.workspace_bytes),
+                               *(("alloc", f"out:{k}", t.nbytes) for k, t in outs.items()), ("free", "ws", 0))
+                if cost.saved_bytes:
+                    seq.alloc(("saved", n.id), cost.saved_bytes, f"{n.id}/saved for backward")
+                for kind, key, size in program:
+                    if key.startswith("out:"):
+                        ref = Ref(n.id, key[4:])
+                        if kind == "alloc" and ref in typed.types:
+                            seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)}")
+                    elif kind == "alloc":
+                        seq.alloc((n.id, key), size, f"{n.id}/{key}")
+                    else:
+                        seq.free((n.id, key), f"{n.id}/{key}")
+                for k in outs:
+                    ref = Ref(n.id, k)
+                    if left.get(ref, 0) == 0 and not registry.get(n.op).traits.sink:
+                        seq.free(ref, f"{n.id}/unread {k}")
+            # inputs: free after last consumer (the consumer may be on another device: a transfer's sender side)
+            for port, r in n.inputs:
+                left[r] -= 1
+                if here and n.id in grads and port in cost.saved_inputs:
+                    saved_refs[r] = saved_refs.get(r, 0) + 1
+                if left[r] == 0 and r not in saved_refs:
+                    seq.free(r, f"{n.id}/last use of {r}")
+        # backward
+        bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
+        grad_of: set[Ref] = set()
+        for n in bwd:
+            cost = costs[n.id]
+            label = f"{n.id}/backward"
+            if n.model:
+                for owner in trainable_params:
+                    if owner.startswith(n.model + ".") and not seq.live(("grad", owner)):
+                        seq.alloc(("grad", owner), trainable_params[owner] * 4, f"{label} weight grad {owner}")
+            if cost.workspace_bytes:
+                seq.alloc((n.id, "bwd_ws"), cost.workspace_bytes, f"{label} workspace")
+            for port, r in n.inputs:
+                if r.node in grads and r.node in on_ids and r not in grad_of:
+                    t = typed.types[r]
+                    seq.alloc(("dgrad", r), t.nbytes, f"{label} grad of {r}")
+                    grad_of.add(r)
+            if cost.workspace_bytes:
+                seq.free((n.id, "bwd_ws"), label)
+            for k in typed.outputs_of(n.id):
+                seq.free(("dgrad", Ref(n.id, k)), label)
+            seq.free(("saved", n.id), label)
+            for port, r in n.inputs:
+                if port in cost.saved_inputs and r in saved_refs:
+                    saved_refs[r] -= 1
+                    if saved_refs[r] == 0:
+                        del saved_refs[r]
+                        if left.get(r, 0) == 0:
+                            seq.free(r, f"{label} releases saved {r}")
+        for r in list(grad_of):
+            seq.free(("dgrad", r), "backward done")
+        for owner in autocast:
+            seq.free(("autocast", owner), "autocast cache cleared")
+        for r, _ in list(saved_refs.items()):
+            seq.free(r, "backward done")
+        # the loss value is kept for logging until the next step
+        for n in on:
+            if registry.get(n.op).traits.sink:
+                for k in typed.outputs_of(n.id):
+                    seq.free(Ref(n.id, k), f"step {step} done")
+        if trainable_params:
+            total = sum(trainable_params.values()) * 4
+            seq.alloc(("optim", step), total, "optimizer.step foreach temporaries")
+            seq.free(("optim", step), "optimizer.step")
+            for owner in trainable_params:
+                seq.free(("grad", owner), "zero_grad(set_to_none=True)")
+    return seq.events, {"weights": weight_bytes, "optimizer": opt_bytes}
+
+
+def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> MemoryReport:
+    spec = typed.ctx.spec
+    if allocator is None:
+        allocator = AllocatorConfig(expandable_segments=spec.memory.expandable_segments,
+                                    max_split_size_bytes=spec.memory.max_split_size)
+    devices = {}
+    for name, dev in spec.devices.items():
+        events, resident = device_events(typed, name)
+        usable = max(dev.capacity - dev.outside_allocator, 0)
+        # The verdict replays the sequence against the usable capacity; the peaks come from that replay when the
+        # device fits, and from an unbounded replay when it does not (how much the schedule would have needed).
+        sim = simulate(events, usable, allocator)
+        if sim.oom is not None:
+            sim = attrs.evolve(simulate(events, None, allocator), oom=sim.oom)
+        # live (unrounded) bytes and each node's own peak
+        live = peak_live = 0
+        node_peaks: dict[str, int] = {}
+        peak_label = ""
+        for ev in events:
+            live += ev.size if ev.op == "alloc" else -ev.size
+            node = ev.label.split("/")[0]
+            if ev.op == "alloc":
+                node_peaks[node] = max(node_peaks.get(node, 0), live)
+                if live > peak_live:
+                    peak_live, peak_label = live, ev.label
+        labels = tuple(e.label for e in events)
+
+        def at(i: int) -> str:
+            return labels[i].split("/")[0] if 0 <= i < len(labels) else ""
+
+        oom = None
+        if sim.oom is not None:
+            o = sim.oom
+            node, _, what = o.label.partition("/")
+            oom = Oom(name, node, what, o.requested_bytes, o.free_bytes, dev.capacity, o.reserved_bytes,
+                      o.allocated_bytes, dev.outside_allocator)
+        devices[name] = DeviceMemory(
+            name=name, torch=dev.torch, capacity_bytes=dev.capacity, usable_bytes=usable,
+            weight_bytes=resident["weights"], optimizer_bytes=resident["optimizer"],
+            peak_bytes=sim.allocated_peak, live_peak_bytes=peak_live, peak_node=peak_label.split("/")[0],
+            reserved_peak_bytes=sim.reserved_peak, reserved_peak_node=at(sim.reserved_peak_index),
+            node_peaks=node_peaks, oom=oom, timeline=sim.timeline, labels=labels)
+    return MemoryReport(devices, allocator)

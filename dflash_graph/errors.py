@@ -1,0 +1,71 @@
+"""Errors a user can act on: where (file, line, TOML path, node), what (expected vs actual), and how to fix it.
+
+Every error raised for bad input is a `GraphError`. The CLI prints `str(err)` and exits 2; it never shows a
+traceback for bad input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+
+@attrs.frozen
+class Location:
+    file: str | None = None
+    line: int | None = None
+    path: str | None = None  # TOML path, e.g. "nodes[3].inputs.x"
+
+    def render(self) -> str:
+        where = self.file or "<graph>"
+        if self.line is not None:
+            where += f":{self.line}"
+        return where
+
+
+@attrs.frozen
+class Problem:
+    message: str
+    loc: Location = Location()
+    node: str | None = None
+    expected: str | None = None
+    actual: str | None = None
+    hint: str | None = None
+    context: str | None = None  # e.g. the current dim bindings
+
+    def render(self) -> str:
+        head = f"{self.loc.render()}: error"
+        if self.loc.path:
+            head += f" at {self.loc.path}"
+        if self.node:
+            head += f" (node '{self.node}')"
+        lines = [f"{head}: {self.message}"]
+        if self.expected is not None:
+            lines.append(f"  expected: {self.expected}")
+        if self.actual is not None:
+            lines.append(f"  actual:   {self.actual}")
+        if self.context:
+            lines.append(f"  {self.context}")
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
+
+
+class GraphError(Exception):
+    """One or more problems with a graph or its command line. Exit code 2."""
+
+    def __init__(self, problems: Problem | Sequence[Problem]):
+        self.problems: tuple[Problem, ...] = (problems,) if isinstance(problems, Problem) else tuple(problems)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return "\n".join(p.render() for p in self.problems)
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """' (did you mean X?)' when a close match exists, else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

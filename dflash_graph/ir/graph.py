@@ -1,0 +1,134 @@
+"""The graph: immutable nodes wired by (node, output) references; networkx underneath for order and cycles."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import networkx as nx
+
+
+@attrs.frozen(order=True)
+class Ref:
+    node: str
+    output: str
+
+    def __str__(self) -> str:
+        return f"{self.node}.{self.output}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Ref":
+        node, _, out = text.partition(".")
+        return cls(node, out)
+
+
+def _freeze(params: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(params))
+
+
+@attrs.frozen
+class Node:
+    id: str
+    op: str
+    inputs: tuple[tuple[str, Ref], ...]       # (port, producer output), in port order
+    params: Mapping[str, Any] = attrs.field(factory=dict, converter=_freeze, eq=False)
+    device: str = "cpu"
+    model: str | None = None
+    spec_index: int | None = None              # where it was written ([[nodes]] index), None if made by a rewrite
+    note: str | None = None                    # why it exists, when a rewrite made it
+
+    def input(self, port: str) -> Ref:
+        for p, r in self.inputs:
+            if p == port:
+                return r
+        raise KeyError(port)
+
+    def evolve(self, **kw) -> "Node":
+        return attrs.evolve(self, **kw)
+
+    def same_as(self, other: "Node") -> bool:
+        return (self.id, self.op, self.inputs, dict(self.params), self.device, self.model) == \
+               (other.id, other.op, other.inputs, dict(other.params), other.device, other.model)
+
+
+class CycleError(ValueError):
+    def __init__(self, cycle: list[str]):
+        super().__init__(" -> ".join(cycle))
+        self.cycle = cycle
+
+
+class Graph:
+    """Nodes in a deterministic topological order. Value semantics: every change returns a new Graph."""
+
+    def __init__(self, nodes: Iterable[Node]):
+        nodes = list(nodes)
+        self._by_id: dict[str, Node] = {n.id: n for n in nodes}
+        g = nx.DiGraph()
+        for n in nodes:
+            g.add_node(n.id)
+        for n in nodes:
+            for _, r in n.inputs:
+                if r.node in self._by_id:
+                    g.add_edge(r.node, n.id)
+        self._nx = g
+        try:
+            written = {n.id: i for i, n in enumerate(nodes)}
+            order = list(nx.lexicographical_topological_sort(g, key=lambda i: (written[i], i)))
+        except nx.NetworkXUnfeasible:
+            cyc = nx.find_cycle(g)
+            raise CycleError([a for a, _ in cyc] + [cyc[0][0]]) from None
+        self.nodes: tuple[Node, ...] = tuple(self._by_id[i] for i in order)
+        self._consumers: dict[Ref, list[tuple[str, str]]] = {}
+        for n in self.nodes:
+            for port, r in n.inputs:
+                self._consumers.setdefault(r, []).append((n.id, port))
+
+    def __getitem__(self, nid: str) -> Node:
+        return self._by_id[nid]
+
+    def __contains__(self, nid: str) -> bool:
+        return nid in self._by_id
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def consumers(self, ref: Ref) -> list[tuple[str, str]]:
+        """(node id, port) pairs that read `ref`."""
+        return list(self._consumers.get(ref, ()))
+
+    def read_outputs(self, nid: str) -> set[str]:
+        return {r.output for r in self._consumers if r.node == nid}
+
+    def ancestors(self, nid: str) -> set[str]:
+        return nx.ancestors(self._nx, nid)
+
+    def replace(self, remove: Iterable[str] = (), add: Iterable[Node] = (), redirect: Mapping[Ref, Ref] | None = None) -> "Graph":
+        """A new graph without `remove`, with `add`, and every input reading a key of `redirect` reading its value."""
+        remove = set(remove)
+        added = list(add)
+        redirect = dict(redirect or {})
+        out = []
+        for n in [*self.nodes, *added]:
+            if n.id in remove and n not in added:
+                continue
+            if redirect and any(r in redirect for _, r in n.inputs):
+                n = n.evolve(inputs=tuple((p, redirect.get(r, r)) for p, r in n.inputs))
+            out.append(n)
+        # keep the id unique: an added node with a removed node's id replaces it
+        seen: dict[str, Node] = {}
+        for n in out:
+            seen[n.id] = n
+        return Graph(seen.values())
+
+    def fresh_id(self, base: str) -> str:
+        if base not in self._by_id:
+            return base
+        i = 2
+        while f"{base}_{i}" in self._by_id:
+            i += 1
+        return f"{base}_{i}"
+
+    def same_as(self, other: "Graph") -> bool:
+        return len(self) == len(other) and all(n.id in other and n.same_as(other[n.id]) for n in self.nodes)

@@ -1,0 +1,354 @@
+"""DFlash drafter as a torch module, plus the anchor/block/mask helpers.
+
+Architecture (docs/drafter.md; DFlash paper, z-lab; vllm-project/speculators
+``src/speculators/models/dflash/{core,model_definitions,attention,utils}.py``;
+sgl-project/SpecForge ``specforge/modeling/draft/dflash.py``):
+
+    context [T, n*Ht] --fc (no bias)--> [T, H] --hidden_norm--> ctx [T, H]
+    block ids [A, B]  --target embedding (shared, frozen)--> h [A*B, H]
+    per layer (Qwen3 decoder layer, queries from block tokens only):
+        x  = input_layernorm(h)
+        q  = q_norm(q_proj(x))                       # [A*B, nh, hd]
+        k  = k_norm(cat(k_proj(ctx), k_proj(x)))     # [T + A*B, nkv, hd]
+        v  =        cat(v_proj(ctx), v_proj(x))
+        q, k = RoPE(q, k)   # ctx tokens: position_ids; slot k of anchor p: position_ids[p] + k
+        h  = h + o_proj(SDPA(q, k, v, mask))
+        h  = h + down(silu(gate(post_attention_layernorm(h))) * up(...))
+    return h as [A, B, H]    (no final norm: the target's norm + lm_head are
+                              separate graph nodes)
+
+The context stream ``ctx`` goes into k_proj / v_proj directly, WITHOUT the
+layer's input_layernorm (as in both references: ``k_proj(target_hidden)``);
+it is normalised once, by ``hidden_norm``. k_norm applies to context and block
+keys alike.
+
+This module's memory and FLOPs are priced, without torch, by
+``dflash_graph.models.dflash``; keep the two in step (tests compare them with
+torch's MemTracker).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_graph.models.dflash import DFlashDims
+
+__all__ = [
+    "DFlashDrafter",
+    "DFlashLayer",
+    "RMSNorm",
+    "attention_bias",
+    "block_positions",
+    "block_token_ids",
+    "dflash_attention_mask",
+    "document_ids",
+    "sample_anchors",
+]
+
+
+# ---------------------------------------------------------------------------
+# Index helpers (pure functions of the packed batch)
+# ---------------------------------------------------------------------------
+
+
+def _as_1d_long(x: Tensor, name: str) -> Tensor:
+    if x.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        raise ValueError(f"{name}: expected an integer tensor, got {x.dtype}")
+    return x.to(torch.long)
+
+
+def document_ids(position_ids: Tensor) -> Tensor:
+    """[T] document index of every token of a packed sequence.
+
+    A new document starts at token 0 and wherever ``position_ids`` does not
+    continue the previous token's position by +1 (in a well-formed packing that
+    is exactly where it restarts at 0). Treating any discontinuity as a
+    boundary can only hide context, never leak it.
+    """
+    pos = _as_1d_long(position_ids, "position_ids")
+    if pos.numel() == 0:
+        return pos.clone()
+    start = torch.ones_like(pos, dtype=torch.bool)
+    start[1:] = pos[1:] != pos[:-1] + 1
+    return torch.cumsum(start.to(torch.long), 0) - 1
+
+
+def _document_ends(doc: Tensor) -> Tensor:
+    """[T] exclusive end index of each token's document."""
+    t = doc.numel()
+    counts = torch.bincount(doc)
+    ends = torch.cumsum(counts, 0)
+    return ends[doc] if t else doc.clone()
+
+
+def sample_anchors(
+    loss_mask: Tensor,
+    position_ids: Tensor,
+    block_size: int,
+    max_anchors: int,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Up to ``max_anchors`` anchor positions, sorted, int64 [A].
+
+    Drawn uniformly without replacement from the positions ``p`` with
+    ``loss_mask[p]`` true and ``p + block_size <= end of p's document`` (so the
+    whole block ``p .. p+B-1`` lies inside p's document, and therefore inside
+    the sequence). This is stricter than "excluding the last block_size
+    positions" of the sequence (speculators ``select_anchors``:
+    ``valid[-block_size:] = False``): a block that crosses into the next
+    packed document would be supervised with targets computed from another
+    document's prefix (verifier logits at p+k-1 belong to the next document
+    once p+k-1 passes the boundary), while the drafter only sees p's document.
+    At the end of the sequence it admits ``p = T - B`` (a block that exactly
+    fits), which speculators drops. Fewer than ``max_anchors`` come back when
+    fewer positions qualify (possibly none: shape [0]).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size: must be positive, got {block_size}")
+    if max_anchors < 0:
+        raise ValueError(f"max_anchors: must be >= 0, got {max_anchors}")
+    if loss_mask.dim() != 1 or loss_mask.shape != position_ids.shape:
+        raise ValueError(
+            f"loss_mask {tuple(loss_mask.shape)} and position_ids "
+            f"{tuple(position_ids.shape)} must be the same 1-D shape"
+        )
+    doc = document_ids(position_ids)
+    t = doc.numel()
+    idx = torch.arange(t, device=doc.device)
+    ok = loss_mask.to(torch.bool) & (idx + block_size <= _document_ends(doc))
+    cand = idx[ok]
+    n = cand.numel()
+    if n > max_anchors:
+        perm = torch.randperm(n, generator=generator, device="cpu")[:max_anchors]
+        cand = cand[perm.to(cand.device)]
+    return torch.sort(cand).values
+
+
+def block_token_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:
+    """[A, B] block inputs: slot 0 = ``input_ids[anchor]``, slots 1.. = mask id."""
+    anchors = _as_1d_long(anchors, "anchors")
+    out = torch.full(
+        (anchors.numel(), block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
+    )
+    out[:, 0] = input_ids[anchors]
+    return out
+
+
+def block_positions(anchors: Tensor, block_size: int) -> Tensor:
+    """[A, B] indices into the packed sequence: ``anchor + arange(B)``."""
+    anchors = _as_1d_long(anchors, "anchors")
+    return anchors[:, None] + torch.arange(block_size, device=anchors.device)[None, :]
+
+
+def _anchor_visibility(position_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """bool [A, T + A*B]: the mask row shared by all B query slots of each anchor."""
+    anchors = _as_1d_long(anchors, "anchors")
+    doc = document_ids(position_ids)
+    t, a = doc.numel(), anchors.numel()
+    if a and (int(anchors.min()) < 0 or int(anchors.max()) >= t):
+        raise ValueError(f"anchors: out of range [0, {t})")
+    j = torch.arange(t, device=doc.device)
+    ctx = (doc[None, :] == doc[anchors][:, None]) & (j[None, :] < anchors[:, None])  # [A, T]
+    own = torch.eye(a, dtype=torch.bool, device=doc.device).repeat_interleave(block_size, 1)
+    return torch.cat([ctx, own], 1)
+
+
+def dflash_attention_mask(position_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """bool [A*B, T + A*B], True = may attend.
+
+    Keys are ``[T context tokens | A blocks of B slots]``. Every query slot of
+    anchor ``a`` sees context token ``j`` iff ``j`` is in the anchor's document
+    and ``j < anchors[a]`` (strictly before: the anchor token itself enters
+    through slot 0 of the block), and every slot of its own block
+    (bidirectional). Nothing else: no other block, no other document, no
+    context at or after the anchor. Every row sees at least its own block, so
+    no row is fully masked.
+    """
+    return _anchor_visibility(position_ids, anchors, block_size).repeat_interleave(block_size, 0)
+
+
+def attention_bias(
+    position_ids: Tensor, anchors: Tensor, block_size: int, dtype: torch.dtype
+) -> Tensor:
+    """The additive form of ``dflash_attention_mask``: [A*B, T + A*B] of
+    ``dtype``, 0 where allowed and -inf elsewhere. Built per anchor row and
+    only then repeated B times, so the only [A*B, T + A*B] tensor ever
+    allocated is the result."""
+    vis = _anchor_visibility(position_ids, anchors, block_size)
+    rows = torch.zeros(vis.shape, dtype=dtype, device=vis.device)
+    rows.masked_fill_(vis.logical_not_(), float("-inf"))
+    del vis
+    return rows.repeat_interleave(block_size, 0)
+
+
+# ---------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: ``w * (x / rms(x))`` computed in float32, cast back before
+    the weight (the plain ``w`` form, not Qwen3.5's ``1 + w``)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dt = x.dtype
+        x32 = x.to(torch.float32)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(dt)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, HF ``rotate_half`` convention: x*cos + rot(x)*sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class DFlashLayer(nn.Module):
+    """One Qwen3-style draft decoder layer whose keys/values are
+    ``cat(proj(context), proj(block))`` and whose queries are the block only."""
+
+    def __init__(self, d: DFlashDims, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, hd = d.hidden_size, d.head_dim
+        self.nh, self.nkv, self.hd = d.num_attention_heads, d.num_key_value_heads, hd
+        lin = dict(bias=False, dtype=dtype)
+        self.input_layernorm = RMSNorm(h, d.rms_norm_eps, dtype)
+        self.q_proj = nn.Linear(h, self.nh * hd, **lin)
+        self.k_proj = nn.Linear(h, self.nkv * hd, **lin)
+        self.v_proj = nn.Linear(h, self.nkv * hd, **lin)
+        self.o_proj = nn.Linear(self.nh * hd, h, **lin)
+        self.q_norm = RMSNorm(hd, d.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(hd, d.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(h, d.rms_norm_eps, dtype)
+        self.gate_proj = nn.Linear(h, d.intermediate_size, **lin)
+        self.up_proj = nn.Linear(h, d.intermediate_size, **lin)
+        self.down_proj = nn.Linear(d.intermediate_size, h, **lin)
+
+    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, bias: Tensor) -> Tensor:
+        """h [Q, H] block stream; ctx [T, H] normed context; cos/sin [T+Q, hd];
+        bias [Q, T+Q] additive attention mask."""
+        h = h + self.attention(self.input_layernorm(h), ctx, cos, sin, bias)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, bias: Tensor) -> Tensor:
+        t, nq = ctx.shape[0], x.shape[0]
+        nk = t + nq
+        # queries: block tokens only; RoPE at the block slots' positions
+        q = self.q_norm(self.q_proj(x).view(nq, self.nh, self.hd)).transpose(0, 1)
+        q = _rope(q, cos[t:], sin[t:])  # [nh, Q, hd]
+        # keys/values: context (already hidden_norm'ed; no input_layernorm) then block
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)]).view(nk, self.nkv, self.hd)
+        k = _rope(self.k_norm(k).transpose(0, 1), cos, sin)  # [nkv, K, hd]
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)]).view(nk, self.nkv, self.hd).transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=bias, enable_gqa=self.nh != self.nkv
+        )  # [1, nh, Q, hd]
+        del q, k, v
+        return self.o_proj(o[0].transpose(0, 1).reshape(nq, self.nh * self.hd))
+
+    def mlp(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter (everything between the captured target features and
+    the target's final norm).
+
+    The target's embedding is shared and frozen. It is NOT registered: it is
+    held in a plain tuple attribute (``self._embed_ref``), so it is absent from
+    ``parameters()``, ``state_dict()`` and the optimizer set, and ``.to()`` does
+    not move it (the caller places it on the drafter's device). Lookups use
+    ``embed.weight.detach()``, so no gradient reaches it even if the target's
+    weight has ``requires_grad=True``.
+
+    Trainable parameters: ``fc``, ``hidden_norm`` and ``layers`` (counted by
+    ``dflash_graph.models.dflash.component_params``). Linear weights are drawn
+    from N(0, ``init_std``) as HF's ``_init_weights`` with
+    ``initializer_range=0.02`` does; norm weights start at 1.
+    """
+
+    def __init__(
+        self,
+        dims: DFlashDims,
+        embed: nn.Embedding,
+        dtype: torch.dtype = torch.float32,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if embed.weight.shape != (dims.vocab_size, dims.hidden_size):
+            raise ValueError(
+                f"embed: weight shape {tuple(embed.weight.shape)} != "
+                f"(vocab_size, hidden_size) = ({dims.vocab_size}, {dims.hidden_size})"
+            )
+        self.dims = dims
+        self._embed_ref = (embed,)
+        self.fc = nn.Linear(dims.fc_in_features, dims.hidden_size, bias=False, dtype=dtype)
+        self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DFlashLayer(dims, dtype) for _ in range(dims.num_hidden_layers))
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight.normal_(0.0, init_std)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._embed_ref[0]
+
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [K, hd] for integer ``positions`` [K], computed in float32
+        exactly as Qwen3RotaryEmbedding (default rope type), then cast.
+        (No inv_freq buffer: a module-wide ``.to(bfloat16)`` cannot degrade it.)"""
+        hd = self.dims.head_dim
+        exponent = torch.arange(0, hd, 2, dtype=torch.int64, device=positions.device).float() / hd
+        inv_freq = 1.0 / (self.dims.rope_theta**exponent)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, context: Tensor, input_ids: Tensor, position_ids: Tensor, anchors: Tensor) -> Tensor:
+        """context [T, n*Ht], input_ids [T], position_ids [T], anchors [A]
+        (sorted int64 positions into the packed sequence) -> [A, B, H] hidden
+        states of the block slots, BEFORE the final norm."""
+        d = self.dims
+        bs = d.block_size
+        if context.dim() != 2 or context.shape[1] != d.fc_in_features:
+            raise ValueError(
+                f"context: expected [T, {d.fc_in_features}], got {tuple(context.shape)}"
+            )
+        t = context.shape[0]
+        if input_ids.shape != (t,) or position_ids.shape != (t,):
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and position_ids "
+                f"{tuple(position_ids.shape)} must be [T]=[{t}]"
+            )
+        anchors = _as_1d_long(anchors, "anchors")
+        pos = _as_1d_long(position_ids, "position_ids")
+        dt = self.fc.weight.dtype
+
+        # query stream: target embedding of [anchor token, mask, mask, ...]
+        ids = block_token_ids(input_ids, anchors, bs, d.mask_token_id).view(-1)
+        h = F.embedding(ids, self.embed.weight.detach()).to(dt)  # [Q, H]
+        del ids
+        # context stream: fc then hidden_norm, shared by every layer's K/V
+        ctx = self.hidden_norm(self.fc(context.to(dt)))  # [T, H]
+        # RoPE: context tokens at position_ids, slot k of anchor p at position_ids[p] + k
+        cos, sin = self.rope(torch.cat([pos, block_positions(pos[anchors], bs).view(-1)]), dt)
+        # one additive mask for all layers (a bool mask would be converted to
+        # a new float tensor by SDPA in every layer, and saved by each)
+        bias = attention_bias(pos, anchors, bs, dt)  # [Q, T+Q]
+
+        for layer in self.layers:
+            h = layer(h, ctx, cos, sin, bias)
+        return h.view(anchors.numel(), bs, d.hidden_size)

@@ -1,0 +1,45 @@
+"""Architectures a graph's `models.<name>.arch` may name. Each has a pure-Python module (no torch) with its
+config keys, a Dims class built from a config, and its parameter count per component."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Any
+
+
+class Arch:
+    def __init__(self, name: str, module: str, dims_class: str, components: tuple[str, ...], doc: str):
+        self.name, self._module, self._dims_class, self.components, self.doc = name, module, dims_class, components, doc
+
+    @cached_property
+    def module(self):
+        return importlib.import_module(self._module)
+
+    @property
+    def config_keys(self) -> frozenset[str]:
+        """Keys an inline config may use: those the cost model reads, plus the rest of the HF config class's
+        fields (read by transformers at run time). A config.json file is not checked key by key: a real
+        checkpoint's config carries whatever its exporter wrote."""
+        return self.module.CONFIG_KEYS | HF_RUNTIME_KEYS
+
+    def dims(self, config: Mapping[str, Any]) -> Any:
+        return getattr(self.module, self._dims_class).from_config(config)
+
+    def component_params(self, dims: Any) -> dict[str, int]:
+        return self.module.component_params(dims)
+
+
+HF_RUNTIME_KEYS = frozenset({
+    "model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "rms_norm_eps", "hidden_act",
+    "max_position_embeddings", "initializer_range", "use_cache", "attention_dropout", "pad_token_id", "bos_token_id",
+    "eos_token_id", "rope_theta", "rope_scaling", "mlp_only_layers",
+})
+
+ARCHS: dict[str, Arch] = {
+    "qwen3_5": Arch("qwen3_5", "dflash_graph.models.qwen3_5", "Qwen35Dims", ("embed", "layers", "norm", "lm_head"),
+                    "Qwen3.5 / 3.6 text model (transformers Qwen3_5ForCausalLM)."),
+    "dflash": Arch("dflash", "dflash_graph.models.dflash", "DFlashDims", ("fc", "hidden_norm", "layers"),
+                   "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`."),
+}

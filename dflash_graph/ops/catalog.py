@@ -1,0 +1,270 @@
+"""The built-in node kinds. Each op is declared once: contract, params, traits, cost, implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..ir.graph import Node, Ref
+from . import costs
+from .contract import BindContext, IndexRemap, OpDef, Param, Port, Selection, Traits
+from .registry import register
+
+IMPL = "dflash_graph.ops.torch_impl"
+
+
+def _layer_outputs(params: Mapping[str, Any]) -> tuple[Port, ...]:
+    return tuple(Port(f"layer{i}", "seq hidden", optional=True, doc=f"output of decoder layer {i} (hooked)")
+                 for i in params.get("capture", ()))
+
+
+def _lm_bind(ctx: BindContext):
+    return {"hidden": ctx.model_ref("hidden_size"), "vocab": ctx.model_ref("vocab_size")}
+
+
+def _drop_capture(params: Mapping[str, Any], dropped: frozenset[str]) -> Mapping[str, Any]:
+    keep = [i for i in params.get("capture", ()) if f"layer{i}" not in dropped]
+    return {**params, "capture": keep}
+
+
+def _decompose_causal_lm(node: Node, fresh) -> tuple[list[Node], dict[str, Ref]]:
+    """causal_lm_forward = body_forward -> norm -> lm_head (what Qwen3_5ForCausalLM.forward does)."""
+    body = node.evolve(op="body_forward", note="decompose_forward: body of " + node.id)
+    norm_id, head_id = fresh(f"{node.id}_norm"), fresh(f"{node.id}_lm_head")
+    norm = Node(norm_id, "norm", (("x", Ref(node.id, "hidden")),), {}, node.device, node.model,
+                note=f"decompose_forward: final norm of {node.id}")
+    head = Node(head_id, "lm_head", (("x", Ref(norm_id, "out")),), {}, node.device, node.model,
+                note=f"decompose_forward: lm_head of {node.id}")
+    return [body, norm, head], {"logits": Ref(head_id, "logits")}
+
+
+_FORWARD_PARAMS = (Param("capture", "list[int]", "Decoder layers whose outputs are captured with forward hooks "
+                         "(layer i = output of decoder layer i = HF hidden_states[i+1]).", default=[]),)
+_FORWARD_INPUTS = (Port("input_ids", "seq", "int64"), Port("position_ids", "seq", "int64",
+                        doc="restart at 0 at each packed document"))
+
+register(OpDef(
+    name="token_input",
+    doc="A packed sequence of `length` tokens from the data loader (one per replica on a group).",
+    inputs=(),
+    outputs=(Port("input_ids", "seq", "int64", optional=True), Port("position_ids", "seq", "int64", optional=True),
+             Port("loss_mask", "seq", "bool", optional=True, doc="positions a draft may be anchored at")),
+    params=(Param("length", "dim", "Tokens per packed sequence.", default="seq"),),
+    bind=lambda c: {"seq": c.params["length"]},
+    traits=Traits(pure=False),
+    cost=costs.no_workspace,
+    impl=f"{IMPL}:token_input",
+))
+
+register(OpDef(
+    name="causal_lm_forward",
+    doc="What `Qwen3_5ForCausalLM.forward()` does: the body, then the final norm and lm_head over every position, "
+        "so it produces [seq, vocab] logits whether or not anyone reads them.",
+    inputs=_FORWARD_INPUTS,
+    outputs=lambda p: (Port("hidden", "seq hidden", optional=True, doc="last decoder layer output, before the final norm"),
+                       Port("logits", "seq vocab", optional=True), *_layer_outputs(p)),
+    params=_FORWARD_PARAMS,
+    model_arch=("qwen3_5",),
+    components=("embed", "layers", "norm", "lm_head"),
+    bind=_lm_bind,
+    traits=Traits(decompose=_decompose_causal_lm),
+    cost=costs.causal_lm_forward,
+    impl=f"{IMPL}:causal_lm_forward",
+))
+
+register(OpDef(
+    name="body_forward",
+    doc="The transformer body only (`model.model(...)`): embedding and decoder layers, no lm_head.",
+    inputs=_FORWARD_INPUTS,
+    outputs=lambda p: (Port("hidden", "seq hidden", optional=True, doc="last decoder layer output, before the final norm"),
+                       *_layer_outputs(p)),
+    params=_FORWARD_PARAMS,
+    model_arch=("qwen3_5",),
+    components=("embed", "layers"),
+    bind=_lm_bind,
+    traits=Traits(drop_outputs=_drop_capture),
+    cost=costs.body_forward,
+    impl=f"{IMPL}:body_forward",
+))
+
+
+def _concat_inputs(params: Mapping[str, Any], n: int) -> tuple[Port, ...]:
+    return tuple(Port(f"x{i}", f"*batch d{i}", "like:x0") for i in range(n))
+
+
+def _concat_outputs(params: Mapping[str, Any]) -> tuple[Port, ...]:
+    n = int(params.get("_n_inputs", 1))
+    return (Port("out", "*batch " + "+".join(f"d{i}" for i in range(n)), "like:x0"),)
+
+
+register(OpDef(
+    name="concat",
+    doc="Concatenate tensors on the last (feature) axis: the captured layers become the drafter's context.",
+    inputs=_concat_inputs,
+    outputs=_concat_outputs,
+    variadic_input="x",
+    traits=Traits(positionwise="batch"),
+    cost=costs.no_workspace,
+    impl=f"{IMPL}:concat",
+))
+
+register(OpDef(
+    name="transfer",
+    doc="Copy a tensor to the node's device (`.to(device)` in one process, send/recv across processes). "
+        "From a group to one device, the receiver gets one batch per replica.",
+    inputs=(Port("x", "*shape", "like:x"),),
+    outputs=(Port("out", "*shape", "like:x"),),
+    params=(Param("queue", "int", "Incoming batches buffered on the receiving device.", default=1),),
+    device_rule="transfer",
+    traits=Traits(positionwise="shape", movement=True),
+    cost=costs.transfer,
+    impl=f"{IMPL}:transfer",
+))
+
+register(OpDef(
+    name="anchor_sample",
+    doc="Draw up to `count` anchor positions uniformly from loss-masked positions whose block fits inside "
+        "their document, sorted. `valid` marks real anchors when fewer exist.",
+    inputs=(Port("loss_mask", "seq", "bool"), Port("position_ids", "seq", "int64")),
+    outputs=(Port("anchors", "anchors", "int64"), Port("valid", "anchors", "bool", optional=True)),
+    params=(Param("count", "dim", "Anchors per sequence (max_anchors).", default="anchors"),
+            Param("block", "dim", "Block size.", default="block")),
+    bind=lambda c: {"anchors": c.params["count"]},
+    traits=Traits(pure=True),
+    cost=costs.no_workspace,
+    impl=f"{IMPL}:anchor_sample",
+))
+
+register(OpDef(
+    name="block_positions",
+    doc="The packed positions of each anchor's block: anchor + arange(block).",
+    inputs=(Port("anchors", "*a", "int64"),),
+    outputs=(Port("index", "*a block", "int64"),),
+    params=(Param("block", "dim", "Block size.", default="block"),),
+    bind=lambda c: {"block": c.params["block"]},
+    cost=costs.no_workspace,
+    impl=f"{IMPL}:block_positions",
+))
+
+
+def _gather_shape(ctx: BindContext, types: Mapping[str, Any]):
+    x, idx = types["x"].shape, types["index"].shape
+    axis = ctx.params["axis"]
+    if not 0 <= axis < len(x):
+        from .contract import ContractError
+        raise ContractError(f"axis {axis} is out of range for x of rank {len(x)}", expected=f"0 <= axis < {len(x)}", actual=str(axis))
+    return {"out": (*x[:axis], *idx, *x[axis + 1:])}
+
+
+register(OpDef(
+    name="gather",
+    doc="Select positions along `axis`: out[*pre, *idx, *post] = x[*pre, index[*idx], *post] (anchor gather).",
+    inputs=(Port("x", "*x", "like:x"), Port("index", "*idx", "int64")),
+    outputs=(Port("out", "*out", "like:x"),),
+    params=(Param("axis", "int", "Axis of x to select along.", default=0),),
+    shape_fn=_gather_shape,
+    traits=Traits(selection=Selection("x", "index", "axis")),
+    cost=costs.no_workspace,
+    impl=f"{IMPL}:gather",
+))
+
+
+def _axis_ok(ctx: BindContext, types: Mapping[str, Any]):
+    x = types["x"].shape
+    if not 0 <= ctx.params["axis"] < len(x):
+        from .contract import ContractError
+        raise ContractError(f"axis {ctx.params['axis']} is out of range for x of rank {len(x)}")
+    return {"out": x}
+
+
+register(OpDef(
+    name="roll",
+    doc="torch.roll(x, shift, axis): out[i] = x[(i - shift) mod n] along `axis`.",
+    inputs=(Port("x", "*x", "like:x"),),
+    outputs=(Port("out", "*x", "like:x"),),
+    params=(Param("shift", "int", "Positions to roll by.", required=True),
+            Param("axis", "int", "Axis to roll along.", default=0)),
+    shape_fn=_axis_ok,
+    traits=Traits(remap=IndexRemap("shift", "axis")),
+    cost=costs.no_workspace,
+    impl=f"{IMPL}:roll",
+))
+
+register(OpDef(
+    name="index_shift",
+    doc="Index arithmetic: (index + shift) mod modulo, elementwise.",
+    inputs=(Port("index", "*i", "int64"),),
+    outputs=(Port("out", "*i", "int64"),),
+    params=(Param("shift", "int", "Added to every index.", required=True),
+            Param("modulo", "int", "Result is taken modulo this (the length of the indexed axis).", required=True)),
+    traits=Traits(positionwise="i"),
+    cost=costs.no_workspace,
+    impl=f"{IMPL}:index_shift",
+))
+
+register(OpDef(
+    name="norm",
+    doc="The model's RMSNorm (for Qwen3.5 the final norm, which multiplies by 1 + w) over the last axis.",
+    inputs=(Port("x", "*batch hidden"),),
+    outputs=(Port("out", "*batch hidden"),),
+    model_arch=("qwen3_5", "dflash"),
+    components=("norm",),
+    bind=lambda c: {"hidden": c.model_ref("hidden_size")},
+    traits=Traits(positionwise="batch"),
+    cost=costs.norm,
+    impl=f"{IMPL}:norm",
+))
+
+register(OpDef(
+    name="lm_head",
+    doc="The model's output projection to the vocabulary: [*, hidden] -> [*, vocab].",
+    inputs=(Port("x", "*batch hidden"),),
+    outputs=(Port("logits", "*batch vocab"),),
+    model_arch=("qwen3_5", "dflash"),
+    components=("lm_head",),
+    bind=_lm_bind,
+    traits=Traits(positionwise="batch"),
+    cost=costs.lm_head,
+    impl=f"{IMPL}:lm_head",
+))
+
+
+def _drafter_bind(c: BindContext):
+    return {"ctx": _ctx_width(c),
+            "hidden": c.model_ref("hidden_size"), "block": c.model_ref("block_size")}
+
+
+def _ctx_width(c: BindContext):
+    sym, val = c.model_ref("target_hidden_size")
+    n = len(c.model_dims.target_layer_ids)
+    return sym * n, val * n
+
+
+register(OpDef(
+    name="drafter_forward",
+    doc="The DFlash drafter: fc + hidden_norm over the concatenated target features as context, block tokens "
+        "(anchor token, then mask tokens) as queries, DFlash block mask. Returns hidden states before the final norm.",
+    inputs=(Port("context", "seq ctx", doc="concatenated hooked target layers"), Port("input_ids", "seq", "int64"),
+            Port("position_ids", "seq", "int64"), Port("anchors", "anchors", "int64")),
+    outputs=(Port("hidden", "anchors block hidden"),),
+    model_arch=("dflash",),
+    components=("embed", "fc", "hidden_norm", "layers"),
+    bind=_drafter_bind,
+    cost=costs.drafter_forward,
+    impl=f"{IMPL}:drafter_forward",
+))
+
+register(OpDef(
+    name="loss",
+    doc="Drafter loss against the verifier at each block slot, decayed by exp(-(k-1)/gamma), slot 0 masked. "
+        "Outputs the scalar loss and per-slot accuracy (drafter argmax == verifier argmax).",
+    inputs=(Port("logits", "anchors block vocab", "float"), Port("target", "anchors block vocab", "float"),
+            Port("valid", "anchors", "bool")),
+    outputs=(Port("loss", "", "float32"), Port("slot_acc", "block", "float32", optional=True)),
+    params=(Param("kind", "str", "Loss: ce (cross-entropy on the verifier argmax), kl, rkl, jsd, tv.", default="kl",
+                  choices=("ce", "kl", "rkl", "jsd", "tv")),
+            Param("gamma", "float", "Per-slot decay exp(-(k-1)/gamma).", default=7.0)),
+    traits=Traits(sink=True, pure=False),
+    cost=costs.loss,
+    impl=f"{IMPL}:loss",
+))

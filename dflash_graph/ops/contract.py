@@ -1,0 +1,209 @@
+"""How an op kind is declared: its tensor contract (jaxtyping-style dim strings, dtype and device rules), its
+params, its traits (read by the rewrites), its cost (read by the memory analysis) and where its torch
+implementation lives. One declaration per op, in ops/catalog.py; everything else reads it.
+
+Dim strings: space-separated tokens, as in jaxtyping: `seq hidden`, `*batch hidden`, `anchors block vocab`.
+  name     a dim, bound on first use within one node and checked on every later use
+  *name    a variadic run of dims (any rank), bound and checked the same way
+  12       a literal size
+  a*b      an expression over bound dims (outputs, mostly)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import sympy
+
+from ..ir.types import Dim
+
+if TYPE_CHECKING:
+    from ..analysis.cost import CostContext, NodeCost
+
+Binds = dict[str, "Dim | tuple[Dim, ...]"]
+
+
+@attrs.frozen
+class Port:
+    name: str
+    dims: str
+    dtype: str = "model"   # a dtype name, "model" (the node's model dtype), "like:<input>", "float" (inputs: any float)
+    optional: bool = False  # outputs: may be dropped when no one reads them
+    doc: str = ""
+
+
+@attrs.frozen
+class Param:
+    name: str
+    kind: str          # int | float | str | bool | dim | list[int]
+    doc: str
+    default: Any = None
+    required: bool = False
+    choices: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class IndexRemap:
+    """out[..., i, ...] = x[..., (i - shift) mod n, ...] along `axis`: a pure permutation of positions (roll)."""
+    shift_param: str
+    axis_param: str
+
+
+@attrs.frozen
+class Selection:
+    """out = x indexed along `axis` by an integer tensor: out[*pre, *idx, *post] = x[*pre, index[*idx], *post]."""
+    source: str
+    index: str
+    axis_param: str
+
+
+@attrs.frozen
+class Traits:
+    # The op treats each position of every axis in the variadic group `positionwise` independently: for every
+    # input and output that carries the group, axis k of the group corresponds one-to-one, and
+    # f(x)[..., i, ...] depends only on x[..., i, ...]. Norm, lm_head, elementwise ops, transfers.
+    positionwise: str | None = None
+    remap: IndexRemap | None = None
+    selection: Selection | None = None
+    movement: bool = False        # copies its input to another device unchanged (transfer)
+    pure: bool = True             # no side effects: removable when no output is read
+    sink: bool = False            # a graph result (loss): never removed
+    # builds the equivalent subgraph: (node, graph) -> list of replacement nodes; outputs keep their names
+    decompose: Callable | None = None
+    # new params when the given optional outputs are dropped (None: the node cannot drop them alone)
+    drop_outputs: Callable[[Mapping[str, Any], frozenset[str]], Mapping[str, Any]] | None = None
+
+
+@attrs.frozen
+class OpDef:
+    name: str
+    doc: str
+    inputs: tuple[Port, ...] | Callable[[Mapping[str, Any], int], tuple[Port, ...]]
+    outputs: tuple[Port, ...] | Callable[[Mapping[str, Any]], tuple[Port, ...]]
+    params: tuple[Param, ...] = ()
+    traits: Traits = Traits()
+    model_arch: tuple[str, ...] = ()         # archs this op accepts as `model` (empty: no model)
+    components: tuple[str, ...] = ()         # model components whose weights the node uses (resident on its device)
+    bind: Callable[["BindContext"], Mapping[str, tuple[sympy.Expr, int]]] | None = None
+    shape_fn: Callable[["BindContext", Mapping[str, Any]], Mapping[str, tuple[Dim, ...]]] | None = None
+    device_rule: str = "node"                # "node": inputs and outputs on the node's device; "transfer"
+    variadic_input: str | None = None        # list inputs become ports <name>0, <name>1, ...
+    cost: Callable[["CostContext"], "NodeCost"] | None = None
+    impl: str | None = None                  # "module:function" of the torch implementation
+
+    def input_ports(self, params: Mapping[str, Any], n_inputs: int = 0) -> tuple[Port, ...]:
+        return self.inputs(params, n_inputs) if callable(self.inputs) else self.inputs
+
+    def output_ports(self, params: Mapping[str, Any]) -> tuple[Port, ...]:
+        return self.outputs(params) if callable(self.outputs) else self.outputs
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+
+@attrs.frozen
+class BindContext:
+    """What a contract may read while binding dims: its params (dim params already evaluated), its model's config
+    (resolved), and the graph's dims."""
+    params: Mapping[str, Any]
+    model_config: Mapping[str, Any] | None
+    model_dims: Any                      # the arch's Dims object (e.g. Qwen35Dims) or None
+    dim: Callable[[str | int], tuple[sympy.Expr, int]]         # evaluate a dim expression of the graph
+    model_ref: Callable[[str], tuple[sympy.Expr, int]]         # a config value of the node's model, as a dim
+
+
+class ContractError(ValueError):
+    def __init__(self, msg: str, expected: str | None = None, actual: str | None = None):
+        super().__init__(msg)
+        self.expected, self.actual = expected, actual
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def tokens(spec: str) -> list[str]:
+    return spec.split()
+
+
+def dim_of(expr: sympy.Expr, value: int) -> Dim:
+    return Dim(str(expr).replace(" ", ""), int(value))
+
+
+def match(spec: str, shape: tuple[Dim, ...], binds: Binds) -> None:
+    """Bind the dims of `spec` against `shape`, or raise ContractError naming the first conflict."""
+    toks = tokens(spec)
+    var_idx = [i for i, t in enumerate(toks) if t.startswith("*")]
+    unknown = [i for i in var_idx if toks[i][1:] not in binds]
+    if len(unknown) > 1:
+        raise ContractError(f"ambiguous contract {spec!r}: two unbound variadic dims")
+    fixed = sum(1 if not t.startswith("*") else (len(binds[t[1:]]) if t[1:] in binds else 0) for t in toks)
+    if (len(shape) < fixed) if unknown else (len(shape) != fixed):
+        raise ContractError(f"rank {len(shape)} does not match {spec!r}", expected=f"[{spec}]", actual=_shape(shape))
+    pos = 0
+    for t in toks:
+        if t.startswith("*"):
+            name = t[1:]
+            if name in binds:
+                n = len(binds[name])
+                got = shape[pos:pos + n]
+                if tuple(d.value for d in got) != tuple(d.value for d in binds[name]):
+                    raise ContractError(f"the dims *{name} are {_shape(got)} which do not equal the bound {_shape(binds[name])}",
+                                        expected=_shape(binds[name]), actual=_shape(got))
+            else:
+                n = len(shape) - fixed
+                binds[name] = tuple(shape[pos:pos + n])
+            pos += n
+            continue
+        d = shape[pos]
+        pos += 1
+        if _IDENT.match(t):
+            if t in binds:
+                b = binds[t]
+                if b.value != d.value:
+                    raise ContractError(f"the size of dimension '{t}' is {d.value:,} ({d.sym}) which does not equal the "
+                                        f"bound value {b.value:,} ({b.sym})", expected=f"{t}={b.value:,}", actual=f"{t}={d.value:,}")
+            else:
+                binds[t] = d
+        else:
+            want = evaluate_token(t, binds)
+            if want.value != d.value:
+                raise ContractError(f"dimension {t} is {d.value:,} but should be {want.value:,}",
+                                    expected=f"{t}={want.value:,}", actual=f"{d.value:,}")
+
+
+def build(spec: str, binds: Binds) -> tuple[Dim, ...]:
+    out: list[Dim] = []
+    for t in tokens(spec):
+        if t.startswith("*"):
+            if t[1:] not in binds:
+                raise ContractError(f"output dims *{t[1:]} were not bound by any input")
+            out.extend(binds[t[1:]])
+        else:
+            out.append(evaluate_token(t, binds))
+    return tuple(out)
+
+
+def evaluate_token(t: str, binds: Binds) -> Dim:
+    if _IDENT.match(t):
+        if t not in binds:
+            raise ContractError(f"dimension '{t}' was not bound")
+        return binds[t]
+    if t.isdigit():
+        return Dim(t, int(t))
+    from ..ir.dims import evaluate, parse_expr
+
+    def lookup(name: str):
+        b = binds.get(name)
+        if not isinstance(b, Dim):
+            raise ContractError(f"dimension '{name}' in {t!r} was not bound")
+        return sympy.sympify(b.sym, locals={n: sympy.Symbol(n) for n in re.findall(r"[A-Za-z_]\w*", b.sym)}), b.value
+
+    expr, val = evaluate(parse_expr(t), lookup)
+    return dim_of(sympy.simplify(expr), val)
+
+
+def _shape(shape: tuple[Dim, ...]) -> str:
+    return "[" + ", ".join(f"{d.sym}={d.value:,}" if d.sym != str(d.value) else str(d.value) for d in shape) + "]"

@@ -1,0 +1,81 @@
+"""The validated graph document: frozen attrs values, each remembering where it was written."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from ..errors import Location
+from .toml_lines import LineIndex, Path, render_path
+
+
+def frozen_map(d: Mapping | None = None) -> Mapping:
+    return MappingProxyType(dict(d or {}))
+
+
+@attrs.frozen
+class DeviceSpec:
+    name: str
+    torch: str
+    capacity: int
+    outside_allocator: int
+
+
+@attrs.frozen
+class ModelSpec:
+    name: str
+    arch: str
+    config: Mapping[str, Any]
+    dtype: str
+    trainable: bool
+    weights: str | None
+    shares: Mapping[str, str]          # component -> "model.component"
+    config_file: str | None = None     # where config came from, if a file
+
+
+@attrs.frozen
+class NodeSpec:
+    index: int                          # position in [[nodes]], for TOML paths
+    id: str
+    op: str
+    inputs: Mapping[str, str] | tuple[str, ...]   # port -> "node.output", or positional
+    params: Mapping[str, Any]
+    device: str
+    model: str | None = None
+    note: str | None = None             # comment written above the node by `plan --emit`
+
+
+@attrs.frozen
+class MemorySpec:
+    expandable_segments: bool = False
+    max_split_size: int | None = None
+
+
+@attrs.frozen
+class GraphSpec:
+    file: str | None
+    name: str
+    dims: Mapping[str, int | str]
+    devices: Mapping[str, DeviceSpec]
+    groups: Mapping[str, tuple[str, ...]]
+    models: Mapping[str, ModelSpec]
+    nodes: tuple[NodeSpec, ...]
+    memory: MemorySpec
+    train: Mapping[str, Any]
+    data: Mapping[str, Any]
+    lines: LineIndex = attrs.field(eq=False, repr=False)
+    description: str = ""
+
+    def loc(self, *path: str | int) -> Location:
+        p: Path = tuple(path)
+        return Location(self.file, self.lines.line_of(p), render_path(p) if p else None)
+
+    def node_loc(self, node: NodeSpec, *sub: str | int) -> Location:
+        return self.loc("nodes", node.index, *sub)
+
+    def placement(self, device: str) -> tuple[str, ...]:
+        """Physical devices a node placed on `device` (a device or a group) runs on."""
+        return self.groups.get(device, (device,))

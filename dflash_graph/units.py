@@ -1,0 +1,51 @@
+"""Byte sizes and dtypes: parsing "94.97 GiB", printing bytes, dtype widths. No torch import."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+# bytes per element; names as torch spells them (torch.bfloat16 -> "bfloat16")
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+    "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
+}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32", "double": "float64", "fp64": "float64", "long": "int64"}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'94.97 GiB' -> 101973894430. Raises ValueError with the accepted units."""
+    if isinstance(text, bool):
+        raise ValueError(f"expected a size such as '94.97 GiB', got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"a size cannot be negative, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS | {"": 1}:
+        raise ValueError(f"expected a size such as '94.97 GiB' or '512 MiB' (units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), got {text!r}")
+    return int(round(float(m.group(1)) * _UNITS.get(m.group(2).lower(), 1)))
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Human size in binary units, as PyTorch's OOM message prints them (GiB with 2 decimals)."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def canonical_dtype(name: str) -> str:
+    name = str(name).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(sorted(DTYPE_BYTES))}")
+    return name
