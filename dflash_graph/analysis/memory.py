@@ -347,3 +347,23 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
             reserved_peak_bytes=sim.reserved_peak, reserved_peak_node=at(sim.reserved_peak_index),
             node_peaks=node_peaks, oom=oom, timeline=sim.timeline, labels=labels)
     return MemoryReport(devices, allocator)
+
+
+def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:
+    """Fast per-device (live peak bytes, FLOPs) of one step, without the allocator model: the rewrite driver's
+    cost function."""
+    grads = grad_nodes(typed)
+    flops: dict[str, int] = {}
+    for n in typed.graph.nodes:
+        f = node_cost(typed, n, n.id in grads).flops
+        for d in typed.ctx.devices_of(n.device):
+            flops[d] = flops.get(d, 0) + f
+    peaks = {}
+    for name in typed.ctx.spec.devices:
+        events, _ = device_events(typed, name, steps=1)
+        live = peak = 0
+        for ev in events:
+            live += ev.size if ev.op == "alloc" else -ev.size
+            peak = max(peak, live)
+        peaks[name] = peak
+    return peaks, flops

@@ -6,56 +6,159 @@ import json
 import sys
 import time
 
-from ..analysis.infer import Typed, build, infer
-from ..spec.loader import load_graph
+import attrs
+
+from ..analysis.memory import MemoryReport
+from ..rewrite.pipeline import Plan, compile_graph
+from ..units import fmt_bytes
 
 
-def analyze(path: str, overrides=(), rewrite: bool = True) -> Typed:
-    spec = load_graph(path, overrides)
-    graph, ctx = build(spec)
-    return infer(graph, ctx)
-
-
-def nodes_json(typed: Typed) -> list[dict]:
+def nodes_json(typed) -> list[dict]:
     out = []
     for n in typed.graph.nodes:
         outs = typed.outputs_of(n.id)
         out.append({
-            "id": n.id, "op": n.op, "device": n.device,
-            "devices": list(typed.ctx.devices_of(n.device)),
-            "model": n.model,
+            "id": n.id, "op": n.op, "device": n.device, "devices": list(typed.ctx.devices_of(n.device)),
+            "model": n.model, "note": n.note,
             "outputs": {k: {"shape": [d.sym for d in t.shape], "sizes": list(t.sizes), "dtype": t.dtype,
                             "device": t.device, "bytes": t.nbytes} for k, t in outs.items()},
         })
     return out
 
 
-def render_nodes(typed: Typed) -> str:
+def memory_json(mem: MemoryReport) -> dict:
+    return {
+        "fits": mem.fits,
+        "allocator": {"expandable_segments": mem.allocator.expandable_segments,
+                      "max_split_size_bytes": mem.allocator.max_split_size_bytes},
+        "devices": {name: {
+            "torch": d.torch, "capacity_bytes": d.capacity_bytes, "usable_bytes": d.usable_bytes,
+            "weight_bytes": d.weight_bytes, "optimizer_bytes": d.optimizer_bytes,
+            "peak_bytes": d.peak_bytes, "live_peak_bytes": d.live_peak_bytes, "peak_node": d.peak_node,
+            "reserved_peak_bytes": d.reserved_peak_bytes, "reserved_peak_node": d.reserved_peak_node,
+            "headroom_bytes": d.headroom_bytes, "node_peak_bytes": dict(d.node_peaks),
+        } for name, d in mem.devices.items()},
+        "oom": [{"device": o.device, "node": o.node, "tensor": o.tensor, "requested_bytes": o.requested_bytes,
+                 "free_bytes": o.free_bytes, "reserved_bytes": o.reserved_bytes, "allocated_bytes": o.allocated_bytes}
+                for o in mem.ooms],
+    }
+
+
+def plan_json(plan: Plan) -> dict:
+    typed, mem = plan.typed, plan.memory
+    spec = typed.ctx.spec
+    return {
+        "graph": spec.name, "file": spec.file, "valid": True, "rewritten": plan.rewritten,
+        "dims": typed.ctx.env.bindings(), "nodes": nodes_json(typed),
+        **memory_json(mem),
+        "rewrites": [{"pass": a.pass_name, "rule": a.rule, "nodes": list(a.nodes), "trait": a.trait,
+                      "saved_bytes": dict(a.saved_bytes), "saved_flops": dict(a.saved_flops)} for a in plan.applied],
+        "before": memory_json(plan.memory_before) if plan.memory_before is not None else None,
+    }
+
+
+def render_nodes(typed) -> str:
     lines = []
     for n in typed.graph.nodes:
-        lines.append(f"  {n.id:<22} {n.op:<18} @{n.device}" + (f"  model={n.model}" if n.model else ""))
+        lines.append(f"  {n.id:<24} {n.op:<18} @{n.device}" + (f"  model={n.model}" if n.model else ""))
         for k, t in typed.outputs_of(n.id).items():
             lines.append(f"      .{k:<16} {t.dtype:<9} {t.sym_str():<28} = {t.concrete_str()}")
     return "\n".join(lines)
 
 
+def render_memory(mem: MemoryReport, before: MemoryReport | None = None) -> str:
+    hdr = f"  {'device':<8} {'torch':<7} {'capacity':>10} {'usable':>10} {'weights':>10} {'optim':>10} " \
+          f"{'allocated':>10} {'reserved':>10} {'headroom':>10}  peak at"
+    lines = [hdr]
+    for name, d in mem.devices.items():
+        row = (f"  {name:<8} {d.torch:<7} {fmt_bytes(d.capacity_bytes):>10} {fmt_bytes(d.usable_bytes):>10} "
+               f"{fmt_bytes(d.weight_bytes):>10} {fmt_bytes(d.optimizer_bytes):>10} {fmt_bytes(d.peak_bytes):>10} "
+               f"{fmt_bytes(d.reserved_peak_bytes):>10} {fmt_bytes(d.headroom_bytes):>10}  {d.peak_node}"
+               + ("   OOM" if d.oom else ""))
+        if before is not None and name in before.devices:
+            b = before.devices[name]
+            row += f"   (as written: {fmt_bytes(b.peak_bytes)} / {fmt_bytes(b.reserved_peak_bytes)})"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def render_ooms(plan: Plan) -> str:
+    lines = []
+    for o in plan.memory.ooms:
+        torch_dev = plan.typed.ctx.spec.devices[o.device].torch
+        lines.append(f"OOM on {o.device} at node '{o.node}':")
+        lines.append("  torch.OutOfMemoryError: " + o.message(torch_dev))
+    if lines:
+        hints = []
+        if not plan.rewritten:
+            hints.append("run without --no-rewrite: the scheduler moves selections before expensive nodes and drops "
+                         "outputs no one reads")
+        if not plan.memory.allocator.expandable_segments:
+            hints.append("try --expandable-segments on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) if the "
+                         "reserved peak is far above the allocated one")
+        hints.append("lower a dim with --set (e.g. --set dims.seq=32768) or move nodes to another device")
+        lines.append("hint: " + "\n      ".join(hints))
+    return "\n".join(lines)
+
+
+def render_rewrites(plan: Plan) -> str:
+    if not plan.applied:
+        return "rewrites: none applied" if plan.rewritten else "rewrites: off (--no-rewrite)"
+    lines = [f"rewrites: {len(plan.applied)} applied"]
+    for a in plan.applied:
+        saved = ", ".join(f"{dev} {fmt_bytes(b)}" for dev, b in a.saved_bytes.items() if b) or "no peak change"
+        lines.append(f"  {a.rule:<28} {', '.join(a.nodes):<44} peak saved: {saved}")
+    return "\n".join(lines)
+
+
+def _plan(args) -> Plan:
+    es = None if getattr(args, "expandable_segments", None) is None else args.expandable_segments == "on"
+    return compile_graph(args.graph, args.overrides, rewrite=not getattr(args, "no_rewrite", False),
+                         expandable_segments=es, verify=getattr(args, "verify", False))
+
+
 def cmd_check(args) -> int:
     t0 = time.perf_counter()
-    typed = analyze(args.graph, args.overrides, rewrite=not args.no_rewrite)
-    spec = typed.ctx.spec
+    plan = _plan(args)
+    code = 0 if plan.memory.fits else 1
     if args.json:
-        json.dump({"graph": spec.name, "file": spec.file, "valid": True, "dims": typed.ctx.env.bindings(),
-                   "nodes": nodes_json(typed), "rewrites": []}, sys.stdout, indent=2)
+        out = plan_json(plan)
+        out["check_seconds"] = round(time.perf_counter() - t0, 3)
+        json.dump(out, sys.stdout, indent=2)
         print()
-        return 0
-    print(f"{spec.file}: graph '{spec.name}' is valid: {len(typed.graph)} nodes, {len(spec.devices)} devices")
+        return code
+    typed, spec = plan.typed, plan.typed.ctx.spec
+    print(f"{spec.file}: graph '{spec.name}': {len(typed.graph)} nodes on {len(spec.devices)} devices"
+          + ("" if plan.rewritten else " (as written, --no-rewrite)"))
     print(typed.ctx.env.bindings_text())
     print(render_nodes(typed))
+    print()
+    print(render_rewrites(plan))
+    print()
+    es = plan.memory.allocator.expandable_segments
+    print(f"memory per device (one training step, two simulated; allocator: "
+          f"{'expandable_segments' if es else 'default caching allocator'}):")
+    print(render_memory(plan.memory, plan.memory_before))
+    print()
+    if plan.memory.fits:
+        print("verdict: fits on every device")
+    else:
+        print(render_ooms(plan))
+        print(f"verdict: predicted OOM on {', '.join(o.device for o in plan.memory.ooms)}")
     print(f"checked in {time.perf_counter() - t0:.2f} s")
-    return 0
+    return code
 
 
 def cmd_plan(args) -> int:
-    typed = analyze(args.graph, args.overrides)
-    print(render_nodes(typed))
+    plan = _plan(args)
+    if args.emit:
+        from ..rewrite.emit import emit_toml
+
+        text = emit_toml(plan)
+        with open(args.emit, "w") as f:
+            f.write(text)
+        print(f"wrote {args.emit}: {len(plan.typed.graph)} nodes, {len(plan.applied)} rewrites applied")
+        return 0
+    print(render_rewrites(plan))
+    print(render_nodes(plan.typed))
     return 0

@@ -109,17 +109,23 @@ class Graph:
         remove = set(remove)
         added = list(add)
         redirect = dict(redirect or {})
-        out = []
-        for n in [*self.nodes, *added]:
-            if n.id in remove and n not in added:
+        # added nodes take the place of the first removed node, so the schedule keeps the written order
+        ordered: list[Node] = []
+        placed = False
+        for n in self.nodes:
+            if n.id in remove:
+                if not placed:
+                    ordered.extend(added)
+                    placed = True
                 continue
+            ordered.append(n)
+        if not placed:
+            ordered.extend(added)
+        seen: dict[str, Node] = {}
+        for n in ordered:
             if redirect and any(r in redirect for _, r in n.inputs):
                 n = n.evolve(inputs=tuple((p, redirect.get(r, r)) for p, r in n.inputs))
-            out.append(n)
-        # keep the id unique: an added node with a removed node's id replaces it
-        seen: dict[str, Node] = {}
-        for n in out:
-            seen[n.id] = n
+            seen.setdefault(n.id, n)
         return Graph(seen.values())
 
     def fresh_id(self, base: str) -> str:

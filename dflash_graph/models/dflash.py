@@ -100,16 +100,40 @@ class DFlashDims:
         return len(self.target_layer_ids) * self.target_hidden_size
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> DFlashDims:
-        """Build from a plain mapping (e.g. a TOML table). Every key is required;
-        unknown keys are rejected. Raises ``ValueError`` naming the bad key."""
+    def from_config(cls, cfg: Mapping[str, Any], *, strict: bool = False) -> DFlashDims:
+        """Build from a plain mapping (a TOML table or an HF-style config dict).
+
+        Every key of ``CONFIG_KEYS`` is required, except that ``rope_theta``
+        may come as ``rope_parameters = {rope_type = "default", rope_theta = ...}``
+        (the transformers >= 5 spelling). Other keys are ignored (an HF config
+        carries runtime keys such as ``hidden_act``), or rejected with
+        ``strict=True``. Bad or missing values raise ``ValueError`` naming the key.
+        """
         if not isinstance(cfg, Mapping):
             raise ValueError(f"DFlash config must be a mapping, got {type(cfg).__name__}")
-        unknown = sorted(set(cfg) - CONFIG_KEYS)
-        if unknown:
-            raise ValueError(
-                f"unknown DFlash config key(s) {unknown}; valid keys: {sorted(CONFIG_KEYS)}"
-            )
+        cfg = dict(cfg)
+        rope = cfg.get("rope_parameters")
+        if rope is not None:
+            if not isinstance(rope, Mapping):
+                raise ValueError(f"rope_parameters: expected a mapping, got {rope!r}")
+            rope_type = rope.get("rope_type", "default")
+            if rope_type != "default":
+                raise ValueError(
+                    f"rope_parameters.rope_type: only 'default' RoPE is implemented, got {rope_type!r}"
+                )
+            if "rope_theta" in rope:
+                if "rope_theta" in cfg and cfg["rope_theta"] != rope["rope_theta"]:
+                    raise ValueError(
+                        f"rope_theta: {cfg['rope_theta']!r} disagrees with "
+                        f"rope_parameters.rope_theta {rope['rope_theta']!r}"
+                    )
+                cfg["rope_theta"] = rope["rope_theta"]
+        if strict:
+            unknown = sorted(set(cfg) - CONFIG_KEYS - {"rope_parameters"})
+            if unknown:
+                raise ValueError(
+                    f"unknown DFlash config key(s) {unknown}; valid keys: {sorted(CONFIG_KEYS)}"
+                )
         missing = sorted(CONFIG_KEYS - set(cfg))
         if missing:
             raise ValueError(f"missing DFlash config key(s) {missing}")
@@ -119,7 +143,7 @@ class DFlashDims:
         for key in _FLOAT_KEYS:
             kw[key] = _as_float(key, cfg[key])
         ids = cfg["target_layer_ids"]
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
             raise ValueError(f"target_layer_ids: expected a list of ints, got {ids!r}")
         kw["target_layer_ids"] = tuple(
             _as_int(f"target_layer_ids[{i}]", v) for i, v in enumerate(ids)

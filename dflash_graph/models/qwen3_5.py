@@ -865,11 +865,12 @@ def _replay(
         if not use_cache and key in seen:
             continue
         seen.add(key)
-        lv.phase = t
+        lv.phase = "input_layernorm"
         hin = "h_in" if i > 0 else None
         if hin:
             lv.alloc(hin, b * s * h)
         _rmsnorm(lv, "ln1", s, h, b, "xn")  # input_layernorm (mq L878)
+        lv.phase = t
         if t == "linear_attention":
             _gated_deltanet(lv, d, s, b, use_cache, "mixer_out")  # mq L882
         else:
@@ -878,11 +879,14 @@ def _replay(
         if use_cache and t == "linear_attention":
             lv.rename("cache.conv_state", f"cache.conv{i}")
             lv.rename("cache.recurrent_state", f"cache.rec{i}")
+        lv.phase = "residual"
         lv.alloc("h_mid", b * s * h)  # residual + hidden_states (mq L899)
         lv.free("mixer_out")
-        lv.phase = "mlp"
+        lv.phase = "post_attention_layernorm"
         _rmsnorm(lv, "ln2", s, h, b, "xn2")  # post_attention_layernorm (mq L903)
+        lv.phase = "mlp"
         _mlp(lv, d, s, b, "mlp_out")  # mq L904
+        lv.phase = "residual"
         lv.free("xn2")
         lv.alloc("h_out", b * s * h)  # mq L905
         lv.free("mlp_out", "h_mid")
@@ -937,8 +941,11 @@ def body_forward_workspace_breakdown(
     use_cache: bool = False,
     packed: bool = False,
 ) -> dict[str, int]:
-    """Peak live bytes (same basis as the workspace) reached inside each phase:
-    "prologue", "linear_attention", "full_attention", "mlp", "final_norm"."""
+    """Peak live bytes (same basis as the workspace) reached inside each phase, keyed like
+    the modules MemTracker reports: "prologue" (positions, mask, rotary),
+    "input_layernorm", "linear_attention" (Qwen3_5GatedDeltaNet), "full_attention"
+    (Qwen3_5Attention), "residual" (the two adds), "post_attention_layernorm", "mlp",
+    "final_norm"; each the maximum over the layers of that kind."""
     return dict(_replay(d, seq, dtype_bytes, attention, use_cache, packed).phase_peak)
 
 

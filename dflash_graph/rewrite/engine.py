@@ -1,0 +1,120 @@
+"""Rules as data and the fixpoint driver.
+
+A rule is a name, the trait that makes it legal, and a pure function `(typed, node) -> Replacement | None`
+that matches at one node and builds the replacement. The driver runs named tables of rules to a fixpoint, with
+a loop guard, re-infers every contract after each rewrite (a rewrite that breaks a contract is a bug, raised at
+once), and logs what each rewrite saved on each device. A rewrite is taken only when no device's predicted peak
+rises: legality comes from the traits, profitability from the cost model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+
+from ..errors import GraphError
+from ..ir.graph import Graph, Node, Ref
+from ..analysis.infer import Typed, infer
+
+
+@attrs.frozen
+class Replacement:
+    remove: tuple[str, ...] = ()
+    add: tuple[Node, ...] = ()
+    redirect: Mapping[Ref, Ref] = attrs.field(factory=dict)
+    touched: tuple[str, ...] = ()          # node ids to report
+    always: bool = False                   # a canonicalisation: taken even if a peak rises (must not, in practice)
+
+
+@attrs.frozen
+class Rule:
+    name: str
+    trait: str                              # the declared property that makes it legal
+    doc: str
+    match: Callable[[Typed, Node], Replacement | None]
+
+
+@attrs.frozen
+class Applied:
+    pass_name: str
+    rule: str
+    trait: str
+    nodes: tuple[str, ...]
+    saved_bytes: Mapping[str, int]        # per physical device: live peak before - after
+    saved_flops: Mapping[str, int]
+
+
+class RewriteLoopError(RuntimeError):
+    pass
+
+
+class ContractBroken(RuntimeError):
+    pass
+
+
+Tables = Sequence[tuple[str, Sequence[Rule]]]
+Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed -> (peak per device, flops per device)
+
+
+def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int = 500,
+            verify: bool = False) -> tuple[Typed, list[Applied]]:
+    applied: list[Applied] = []
+    peaks, flops = costs(typed)
+    steps = 0
+    for pass_name, rules in tables:
+        rejected: set[tuple[str, str, int]] = set()
+        changed = True
+        while changed:
+            changed = False
+            fp = _fingerprint(typed.graph)
+            for node in typed.graph.nodes:
+                for rule in rules:
+                    key = (rule.name, node.id, fp)
+                    if key in rejected:
+                        continue
+                    rep = rule.match(typed, node)
+                    if rep is None:
+                        continue
+                    steps += 1
+                    if steps > max_steps:
+                        raise RewriteLoopError(f"infinite loop in rewrite pass '{pass_name}': more than {max_steps} "
+                                               f"rewrites (last: {rule.name} at '{node.id}')")
+                    graph = typed.graph.replace(rep.remove, rep.add, rep.redirect)
+                    try:
+                        new = infer(graph, typed.ctx)
+                    except GraphError as e:
+                        raise ContractBroken(f"rule {rule.name} at '{node.id}' produced an ill-typed graph:\n{e}") from e
+                    _check_outputs_kept(typed, new, rule)
+                    new_peaks, new_flops = costs(new)
+                    if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
+                        rejected.add(key)
+                        continue
+                    applied.append(Applied(pass_name, rule.name, rule.trait, rep.touched or (node.id,),
+                                           {d: peaks.get(d, 0) - new_peaks.get(d, 0) for d in peaks},
+                                           {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
+                    typed, peaks, flops = new, new_peaks, new_flops
+                    if verify:
+                        infer(typed.graph, typed.ctx)
+                    changed = True
+                    break
+                if changed:
+                    break
+    return typed, applied
+
+
+def _fingerprint(g: Graph) -> int:
+    return hash(tuple((n.id, n.op, n.inputs, tuple(sorted((k, repr(v)) for k, v in n.params.items())), n.device)
+                      for n in g.nodes))
+
+
+def _check_outputs_kept(old: Typed, new: Typed, rule: Rule) -> None:
+    """Every graph result (sink output) keeps its type: rewrites never change what the graph computes."""
+    from ..ops import registry
+
+    for n in old.graph.nodes:
+        if registry.get(n.op).traits.sink:
+            for k, t in old.outputs_of(n.id).items():
+                nt = new.types.get(Ref(n.id, k))
+                if nt != t:
+                    raise ContractBroken(f"rule {rule.name} changed result {n.id}.{k}: {t} -> {nt}")

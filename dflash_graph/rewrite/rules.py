@@ -1,0 +1,254 @@
+"""The rewrite rules. Each is legal because of a declared trait of the ops involved (ops/contract.py Traits),
+never because of a node's id or op name. docs/rules/ has one page per rule with the proof sketch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..ir.graph import Node, Ref
+from ..ops import registry
+from ..ops.contract import tokens
+from ..analysis.infer import Typed
+from .engine import Replacement, Rule
+
+
+def _op(node: Node):
+    return registry.get(node.op)
+
+
+def _sole_consumer(typed: Typed, ref: Ref, nid: str) -> bool:
+    return [c for c, _ in typed.graph.consumers(ref)] == [nid]
+
+
+# -- decompose ------------------------------------------------------------------------------------------------
+
+def _decompose(typed: Typed, node: Node) -> Replacement | None:
+    dec = _op(node).traits.decompose
+    if dec is None:
+        return None
+    new_nodes, out_map = dec(node, typed.graph.fresh_id)
+    redirect = {Ref(node.id, k): v for k, v in out_map.items()}
+    return Replacement(remove=(node.id,), add=tuple(new_nodes), redirect=redirect,
+                       touched=tuple(n.id for n in new_nodes), always=True)
+
+
+DECOMPOSE = Rule("decompose_forward", "Traits.decompose",
+                 "Replace a fused op by the equivalent subgraph it declares (causal_lm_forward = body_forward -> "
+                 "norm -> lm_head), so that later rules can see and drop its parts.", _decompose)
+
+
+# -- dead outputs -----------------------------------------------------------------------------------------------
+
+def _drop_unused(typed: Typed, node: Node) -> Replacement | None:
+    op = _op(node)
+    if op.traits.sink:
+        return None
+    read = typed.graph.read_outputs(node.id)
+    if not read and op.traits.pure:
+        return Replacement(remove=(node.id,), touched=(node.id,))
+    if op.traits.drop_outputs is None:
+        return None
+    ports = {p.name: p for p in op.output_ports(typed.params[node.id])}
+    dropped = frozenset(k for k, p in ports.items() if p.optional and k not in read)
+    if not dropped:
+        return None
+    params = op.traits.drop_outputs(node.params, dropped)
+    if dict(params) == dict(node.params):
+        return None
+    return Replacement(remove=(node.id,), add=(node.evolve(params=params),), touched=(node.id,))
+
+
+DROP_UNUSED = Rule("drop_unused", "Traits.pure / Port.optional",
+                   "A pure node none of whose outputs is read is removed; an optional output no one reads is not "
+                   "computed (a hook whose layer no one reads is not registered).", _drop_unused)
+
+
+# -- selection through a position permutation (roll) ------------------------------------------------------------
+
+def _gather_through_remap(typed: Typed, node: Node) -> Replacement | None:
+    sel = _op(node).traits.selection
+    if sel is None:
+        return None
+    src = node.input(sel.source)
+    prod = typed.graph[src.node]
+    remap = _op(prod).traits.remap
+    if remap is None:
+        return None
+    p_params, g_params = typed.params[prod.id], typed.params[node.id]
+    axis = g_params[sel.axis_param]
+    if p_params[remap.axis_param] != axis:
+        return None
+    n = typed.types[src].sizes[axis]
+    shift = int(p_params[remap.shift_param])
+    idx_id = typed.graph.fresh_id(f"{node.id}_index")
+    # roll: out[i] = x[(i - shift) mod n]  =>  gather(roll(x), idx) = gather(x, (idx - shift) mod n)
+    idx = Node(idx_id, "index_shift", (("index", node.input(sel.index)),), {"shift": -shift % n, "modulo": n},
+               node.device, note=f"gather_through_remap: index of {node.id} through {prod.id}")
+    (x_port, x_ref), = prod.inputs
+    new = node.evolve(inputs=tuple((p, x_ref if p == sel.source else (Ref(idx_id, "out") if p == sel.index else r))
+                                   for p, r in node.inputs), note=f"gather_through_remap: was reading {prod.id}")
+    return Replacement(remove=(node.id,), add=(idx, new), touched=(node.id, prod.id))
+
+
+GATHER_THROUGH_REMAP = Rule("gather_through_remap", "Traits.remap (IndexRemap)",
+                            "gather(roll(x, k, axis), idx, axis) = gather(x, (idx - k) mod n, axis): a roll is a "
+                            "permutation of positions, so selecting after it is selecting at permuted indices.",
+                            _gather_through_remap)
+
+
+# -- selection through a position-wise op ------------------------------------------------------------------------
+
+def _group_span(spec: str, group: str, rank: int) -> tuple[int, int] | None:
+    """(start, length) of the variadic `*group` in a contract matched against a tensor of `rank`."""
+    toks = tokens(spec)
+    if f"*{group}" not in toks:
+        return None
+    i = toks.index(f"*{group}")
+    length = rank - (len(toks) - 1)
+    return i, length
+
+
+def _gather_through_positionwise(typed: Typed, node: Node) -> Replacement | None:
+    sel = _op(node).traits.selection
+    if sel is None:
+        return None
+    src = node.input(sel.source)
+    prod = typed.graph[src.node]
+    pop = _op(prod)
+    group = pop.traits.positionwise
+    if group is None or not _sole_consumer(typed, src, node.id):
+        return None
+    axis = typed.params[node.id][sel.axis_param]
+    idx_ref = node.input(sel.index)
+    out_t = typed.types[src]
+    # only when the selection makes the tensor smaller along the axis: otherwise it would move work up, not down
+    if typed.types[idx_ref].numel > out_t.sizes[axis]:
+        return None
+    pparams = typed.params[prod.id]
+    out_port = next(p for p in pop.output_ports(pparams) if p.name == src.output)
+    span = _group_span(out_port.dims, group, len(out_t.shape))
+    if span is None or not span[0] <= axis < span[0] + span[1]:
+        return None
+    k = axis - span[0]
+    in_ports = {p.name: p for p in pop.input_ports(pparams, len(prod.inputs))}
+    add: list[Node] = []
+    new_inputs = []
+    for port, r in prod.inputs:
+        in_t = typed.types[r]
+        ispan = _group_span(in_ports[port].dims, group, len(in_t.shape))
+        if ispan is None:
+            new_inputs.append((port, r))
+            continue
+        in_device = in_t.device
+        index = _index_on(typed, idx_ref, in_device, add, node)
+        gid = _fresh(typed, add, f"{node.id}_{port}")
+        add.append(Node(gid, node.op, ((sel.source, r), (sel.index, index)), {**node.params, sel.axis_param: ispan[0] + k},
+                        in_device, note=f"gather_through_positionwise: {node.id} moved before {prod.id}"))
+        new_inputs.append((port, Ref(gid, "out")))
+    moved = prod.evolve(inputs=tuple(new_inputs),
+                        note=f"gather_through_positionwise: {prod.id} on the rows {node.id} selects")
+    add.append(moved)
+    return Replacement(remove=(node.id, prod.id), add=tuple(add), redirect={Ref(node.id, "out"): Ref(moved.id, src.output)},
+                       touched=(node.id, prod.id))
+
+
+def _fresh(typed: Typed, pending: list[Node], base: str) -> str:
+    taken = {n.id for n in pending}
+    cand = typed.graph.fresh_id(base)
+    i = 2
+    while cand in taken:
+        cand = typed.graph.fresh_id(f"{base}_{i}")
+        i += 1
+    return cand
+
+
+def _index_on(typed: Typed, ref: Ref, device: str, add: list[Node], at: Node) -> Ref:
+    """The index tensor `ref` made available on `device`: as is if it is there; the sender's own copy when it
+    came over a transfer; recomputed there when it is index arithmetic over such values; else sent back."""
+    t = typed.types[ref]
+    if t.device == device:
+        return ref
+    prod = typed.graph[ref.node]
+    op = _op(prod)
+    if op.traits.movement:
+        (_, src), = prod.inputs
+        if typed.types[src].device == device:
+            return src
+    if op.model_arch == () and op.traits.pure and not op.traits.movement and prod.inputs and \
+            all(typed.types[r].dtype in ("int64", "int32", "bool") for _, r in prod.inputs):
+        ins = [(p, _index_on(typed, r, device, add, at)) for p, r in prod.inputs]
+        nid = _fresh(typed, add, f"{prod.id}_on_{device}")
+        add.append(prod.evolve(id=nid, inputs=tuple(ins), device=device, spec_index=None,
+                               note=f"gather_through_positionwise: {prod.id} recomputed on {device} for {at.id}"))
+        return Ref(nid, ref.output)
+    nid = _fresh(typed, add, f"{ref.node}_{ref.output}_to_{device}")
+    add.append(Node(nid, "transfer", (("x", ref),), {}, device, note=f"gather_through_positionwise: index for {at.id}"))
+    return Ref(nid, "out")
+
+
+GATHER_THROUGH_POSITIONWISE = Rule(
+    "gather_through_positionwise", "Traits.positionwise",
+    "gather(f(x), idx, axis) = f(gather(x, idx, axis')) when f treats every position of that axis independently "
+    "(norm, lm_head, elementwise, concat on another axis, transfer). Through a transfer the selected rows are "
+    "sent instead of the whole tensor, the indices taken or recomputed on the sending side.",
+    _gather_through_positionwise)
+
+
+# -- common subexpressions --------------------------------------------------------------------------------------
+
+def _cse(typed: Typed, node: Node) -> Replacement | None:
+    op = _op(node)
+    if not op.traits.pure or op.traits.sink or op.model_arch or op.name == "anchor_sample":
+        return None
+    key = (node.op, node.inputs, tuple(sorted((k, repr(v)) for k, v in node.params.items())), node.device)
+    for other in typed.graph.nodes:
+        if other.id == node.id:
+            break
+        if (other.op, other.inputs, tuple(sorted((k, repr(v)) for k, v in other.params.items())), other.device) == key:
+            return Replacement(remove=(node.id,), redirect={Ref(node.id, k): Ref(other.id, k)
+                                                            for k in typed.outputs_of(node.id)},
+                               touched=(node.id, other.id))
+    return None
+
+
+CSE = Rule("merge_duplicates", "Traits.pure (deterministic)",
+           "Two pure, deterministic nodes with the same op, params, inputs and device compute the same value: "
+           "keep the first.", _cse)
+
+
+# -- transfer round trip -----------------------------------------------------------------------------------------
+
+def _transfer_round_trip(typed: Typed, node: Node) -> Replacement | None:
+    if not _op(node).traits.movement:
+        return None
+    (_, src), = node.inputs
+    prod = typed.graph[src.node]
+    if not _op(prod).traits.movement:
+        return None
+    (_, orig), = prod.inputs
+    if typed.types[orig].device != node.device:
+        return None
+    return Replacement(remove=(node.id,), redirect={Ref(node.id, "out"): orig}, touched=(node.id, prod.id))
+
+
+TRANSFER_ROUND_TRIP = Rule("transfer_round_trip", "Traits.movement",
+                           "transfer(transfer(x, A->B), B->A) = x: a movement copies its input unchanged.",
+                           _transfer_round_trip)
+
+
+DEFAULT_TABLES: list[tuple[str, list[Rule]]] = [
+    ("canonicalize", [DECOMPOSE]),
+    ("drop_dead", [DROP_UNUSED]),
+    ("push_selections", [GATHER_THROUGH_REMAP, GATHER_THROUGH_POSITIONWISE, DROP_UNUSED]),
+    ("cleanup", [TRANSFER_ROUND_TRIP, CSE, DROP_UNUSED]),
+]
+
+ALL_RULES: dict[str, Rule] = {r.name: r for _, rules in DEFAULT_TABLES for r in rules}
+ALL_RULES = dict(sorted(ALL_RULES.items()))
+
+
+def table(*names: str) -> list[Rule]:
+    return [ALL_RULES[n] for n in names]
+
+
+Matcher = Callable[[Typed, Node], Replacement | None]
