@@ -304,6 +304,40 @@ def device_events(typed: Typed, device: str, steps: int = STEPS_SIMULATED) -> tu
     return seq.events, {"weights": weight_bytes, "optimizer": opt_bytes}
 
 
+@attrs.frozen
+class _NoCacheOom:
+    label: str
+    requested_bytes: int
+    free_bytes: int
+    reserved_bytes: int
+    allocated_bytes: int
+
+
+@attrs.frozen
+class _NoCacheResult:
+    allocated_peak: int
+    reserved_peak: int
+    allocated_peak_index: int
+    reserved_peak_index: int
+    oom: _NoCacheOom | None
+    timeline: tuple[tuple[int, int], ...]
+
+
+def _no_cache(events: list[Event], usable: int) -> _NoCacheResult:
+    live = peak = 0
+    peak_i = -1
+    oom = None
+    timeline = []
+    for i, ev in enumerate(events):
+        if ev.op == "alloc" and oom is None and live + ev.size > usable:
+            oom = _NoCacheOom(ev.label, ev.size, usable - live, live, live)
+        live += ev.size if ev.op == "alloc" else -ev.size
+        if live > peak:
+            peak, peak_i = live, i
+        timeline.append((live, live))
+    return _NoCacheResult(peak, peak, peak_i, peak_i, oom, tuple(timeline))
+
+
 def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> MemoryReport:
     spec = typed.ctx.spec
     if allocator is None:
@@ -313,11 +347,14 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
     for name, dev in spec.devices.items():
         events, resident = device_events(typed, name)
         usable = max(dev.capacity - dev.outside_allocator, 0)
-        # The verdict replays the sequence against the usable capacity; the peaks come from that replay when the
-        # device fits, and from an unbounded replay when it does not (how much the schedule would have needed).
-        sim = simulate(events, usable, allocator)
-        if sim.oom is not None:
-            sim = attrs.evolve(simulate(events, None, allocator), oom=sim.oom)
+        if dev.torch.startswith("cuda"):
+            # The verdict replays the sequence against the usable capacity; the peaks come from that replay when
+            # the device fits, and from an unbounded replay when it does not (what the schedule would need).
+            sim = simulate(events, usable, allocator)
+            if sim.oom is not None:
+                sim = attrs.evolve(simulate(events, None, allocator), oom=sim.oom)
+        else:
+            sim = _no_cache(events, usable)   # CPU tensors come from the system allocator: nothing is cached
         # live (unrounded) bytes and each node's own peak
         live = peak_live = 0
         node_peaks: dict[str, int] = {}

@@ -82,4 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug in dflash-graph, not in the graph: say so, and keep the traceback reachable
+        import os
+        import traceback
+
+        if os.environ.get("DFLASH_GRAPH_DEBUG"):
+            raise
+        print(f"internal error in dflash-graph: {type(e).__name__}: {e}\n"
+              f"  at {traceback.extract_tb(e.__traceback__)[-1].filename}:{traceback.extract_tb(e.__traceback__)[-1].lineno}\n"
+              "  this is a bug; rerun with DFLASH_GRAPH_DEBUG=1 for the full traceback and report it", file=sys.stderr)
+        return 3
     return 2

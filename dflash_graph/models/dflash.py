@@ -37,6 +37,7 @@ __all__ = [
     "component_params",
     "default_target_layer_ids",
     "forward_flops",
+    "forward_program",
     "forward_saved_bytes",
     "forward_workspace_bytes",
 ]
@@ -414,12 +415,14 @@ class _Tape:
         self.cur = 0
         self.peak = 0
         self._next = 0
+        self.events: list[tuple[str, int, int]] = []
 
     def alloc(self, nbytes: int) -> int:
         self._next += 1
         self.live[self._next] = nbytes
         self.cur += nbytes
         self.peak = max(self.peak, self.cur)
+        self.events.append(("alloc", self._next, nbytes))
         return self._next
 
     def save(self, *ids: int) -> None:
@@ -430,10 +433,17 @@ class _Tape:
         for i in ids:
             if i is not None and i in self.live and i not in self.saved:
                 self.cur -= self.live.pop(i)
+                self.events.append(("free", i, 0))
 
 
 def _replay(d: DFlashDims, t: int, a: int, b: int, attention: str) -> tuple[int, int, int]:
     """(saved bytes, peak bytes, output bytes) of one forward, replayed."""
+    tp, out_id = _run_tape(d, t, a, b, attention)
+    out = tp.live[out_id]
+    return tp.cur - out, tp.peak, out
+
+
+def _run_tape(d: DFlashDims, t: int, a: int, b: int, attention: str) -> tuple[_Tape, int]:
     B = d.block_size
     q = a * B
     k = t + q
@@ -605,10 +615,9 @@ def _replay(d: DFlashDims, t: int, a: int, b: int, attention: str) -> tuple[int,
         tp.release(hcur)  # the caller rebinds h
         hcur = hn
     tp.release(bias, ctx, *tables)  # forward returns: locals dropped (freed unless saved)
-    out_bytes = b * q * h
     leaked = [i for i in tp.live if i not in tp.saved and i != hcur]
     assert not leaked, f"replay leaked {leaked}"  # noqa: S101 (a bug in the replay itself)
-    return tp.cur - tp.live[hcur], tp.peak, tp.live[hcur]
+    return tp, hcur
 
 
 def forward_saved_bytes(
@@ -647,3 +656,24 @@ def forward_workspace_bytes(
     t, _ = _check_mem_args(d, ctx_tokens, anchors, dtype_bytes, attention)
     saved, peak, out = _replay(d, t, anchors, dtype_bytes, attention)
     return max(0, peak - saved - out)
+
+
+def forward_program(
+    d: DFlashDims, ctx_tokens: int, anchors: int, dtype_bytes: int, *, attention: str = "fused"
+) -> tuple[tuple[str, str, int], ...]:
+    """The replayed allocation order of one forward, for an allocator model:
+    ``("alloc", key, bytes)`` / ``("free", key, 0)`` in program order. The
+    output [A, B, H] is keyed ``"out:hidden"``; tensors autograd saves are
+    keyed ``"saved:<n>"`` and are never freed here (they live until backward,
+    and together they are ``forward_saved_bytes``); everything else is
+    ``"tmp:<n>"`` and is freed before the forward returns.
+    """
+    t, _ = _check_mem_args(d, ctx_tokens, anchors, dtype_bytes, attention)
+    tp, out_id = _run_tape(d, t, anchors, dtype_bytes, attention)
+
+    def key(i: int) -> str:
+        if i == out_id:
+            return "out:hidden"
+        return f"saved:{i}" if i in tp.saved else f"tmp:{i}"
+
+    return tuple((kind, key(i), n) for kind, i, n in tp.events)

@@ -679,48 +679,61 @@ def _sdpa(
     """sdpa_attention_forward (sdpa_attention L93-L240) + the aten kernel it reaches."""
     nh, nkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
     rep = nh != nkv
-    if masked and rep:
+    if masked and rep and nkv > 1:
         # a mask disables enable_gqa (use_gqa_in_sdpa, sdpa_attention L41-L50): repeat_kv
-        # (sdpa_attention L20-L29) expands + reshapes K and V to all heads, a copy each.
+        # (sdpa_attention L20-L29) expands + reshapes K and V to all heads, a copy each
+        # (with a single KV head the reshape of the expand is still a view).
         lv.alloc("sdpa.k_rep", b * nh * s * hd)
         lv.alloc("sdpa.v_rep", b * nh * s * hd)
+    if masked:
+        # scaled_dot_product_attention turns a bool attn_mask into an additive mask of q's
+        # dtype before picking a kernel (convert_boolean_attn_mask; measured on CPU).  On
+        # CUDA that mask also rules out flash: the memory-efficient kernel runs instead
+        # (no [heads, seq, seq] either).
+        lv.alloc("sdpa.float_mask", b * s * s)
     if attention == "math":
-        # aten._scaled_dot_product_attention_math (CompositeImplicit, every step visible):
-        e = b
-        if not masked:
+        # aten._scaled_dot_product_attention_math (CompositeImplicit: every step is an aten
+        # op).  Low-precision inputs are upcast to fp32 first, and everything runs in fp32.
+        up = b != F32
+        if up:
+            lv.alloc("math.qf", F32 * nh * s * hd)
+            lv.alloc("math.kf", F32 * (nh if masked and rep else nkv) * s * hd)
+            lv.alloc("math.vf", F32 * (nh if masked and rep else nkv) * s * hd)
+        lv.alloc("math.q", F32 * nh * s * hd)  # q * sqrt(scale)
+        if masked:
+            lv.alloc("math.bias", F32 * s * s)  # the additive mask, in fp32
+        else:
             lv.alloc("math.ones", s * s)  # is_causal: ones(L, S, bool).tril()
             lv.alloc("math.tril", s * s)
             lv.free("math.ones")
-            lv.alloc("math.bias", e * s * s)  # where(tril, 0, -inf) in q's dtype
+            lv.alloc("math.bias", F32 * s * s)  # where(tril, 0, -inf)
             lv.free("math.tril")
-        else:
-            lv.alloc("math.bias", e * s * s)  # bool mask -> additive float mask
-        lv.alloc("math.q", e * nh * s * hd)  # q * sqrt(scale)
         if rep and not masked:
-            lv.alloc("math.k_rep", e * nh * s * hd)  # enable_gqa: repeat_interleave K, V
-            lv.alloc("math.v_rep", e * nh * s * hd)
-        lv.alloc("math.kT", e * nh * s * hd)  # k.transpose * sqrt(scale)
-        lv.alloc("math.attn0", e * nh * s * s)  # q @ kT
-        lv.free("math.q", "math.kT")
-        lv.alloc("math.attn1", e * nh * s * s)  # + attn_bias
+            lv.alloc("math.k_rep", F32 * nh * s * hd)  # enable_gqa: repeat_interleave K, V
+            lv.alloc("math.v_rep", F32 * nh * s * hd)
+        lv.alloc("math.kT", F32 * nh * s * hd)  # k.transpose(-2, -1) * sqrt(scale)
+        lv.alloc("math.attn0", F32 * nh * s * s)  # q @ kT
+        lv.free("math.kT")
+        lv.alloc("math.attn1", F32 * nh * s * s)  # + attn_bias
         lv.free("math.attn0")
-        lv.alloc("math.attn", e * nh * s * s)  # _safe_softmax
+        lv.alloc("math.attn", F32 * nh * s * s)  # _safe_softmax
         lv.free("math.attn1")
-        lv.alloc(out, b * nh * s * hd)  # attn @ v
-        lv.free("math.attn", "math.bias")
-        lv.drop("math.k_rep", "math.v_rep")
+        if up:
+            lv.alloc("math.attn_b", b * nh * s * s)  # softmax result cast back
+        lv.alloc("math.o32", F32 * nh * s * hd)  # attn @ v
+        if up:
+            lv.alloc(out, b * nh * s * hd)  # cast back to the input dtype
+            lv.free("math.o32")
+        else:
+            lv.rename("math.o32", out)
+        lv.free(*[k for k in list(lv.sizes) if k.startswith("math.")])
         copy_out = True  # [batch, heads, seq, dim] -> .transpose(1, 2).contiguous() copies
     else:
-        if attention == "flash" and masked:
-            # CUDA with an explicit mask: flash is not eligible, the memory-efficient kernel
-            # takes it as an additive mask of q's dtype (convert_boolean_attn_mask).  NOT
-            # measured here (no CUDA): modelled from torch's sdpa dispatch.
-            lv.alloc("sdpa.float_mask", b * s * s)
         lv.alloc(out, b * nh * s * hd)  # attention output
         lv.alloc("sdpa.lse", F32 * nh * s)  # logsumexp, dropped by the composite
         lv.free("sdpa.lse")
-        lv.drop("sdpa.float_mask")
         copy_out = attention == "cpu_flash"
+    lv.drop("sdpa.float_mask")
     lv.drop("sdpa.k_rep", "sdpa.v_rep")
     if copy_out:
         lv.alloc(out + "'", b * s * nh * hd)  # .transpose(1, 2).contiguous() (sdpa_attention L235)

@@ -44,8 +44,11 @@ def parse_graph(text: str, file: str | None = None, base_dir: FsPath | None = No
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        line = getattr(e, "lineno", None)
+        import re
+
         msg = getattr(e, "msg", str(e))
+        m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
+        line = getattr(e, "lineno", None) or (int(m.group(1)) if m else None)
         raise GraphError(Problem(f"TOML syntax error: {msg}", Location(file, line),
                                  hint="see https://toml.io for the syntax")) from None
     lines = LineIndex(text)
@@ -84,7 +87,7 @@ class _Builder:
             if key.name in table:
                 out[key.name] = self.typed(table[key.name], key, (*path, key.name))
             else:
-                out[key.name] = key.default
+                out[key.name] = parse_bytes(key.default) if key.kind == "size" and key.default is not None else key.default
         return out
 
     def typed(self, v: Any, key: schema.Key, path: Path) -> Any:

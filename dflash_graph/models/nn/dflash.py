@@ -123,7 +123,8 @@ def sample_anchors(
     cand = idx[ok]
     n = cand.numel()
     if n > max_anchors:
-        perm = torch.randperm(n, generator=generator, device="cpu")[:max_anchors]
+        dev = generator.device if generator is not None else cand.device
+        perm = torch.randperm(n, generator=generator, device=dev)[:max_anchors]
         cand = cand[perm.to(cand.device)]
     return torch.sort(cand).values
 
