@@ -1,8 +1,9 @@
 """The tiny Qwen3.5 target shipped in graphs/tiny/ and the torch helpers around it.
 
-Measured when the assets were made (tools/train_tiny_target.py, seed 0): held-out
-loss HELD_OUT_MEASURED nats/token against log(768) = 6.64 for a uniform guess; the
-test asserts < HELD_OUT_BOUND.
+Measured when the assets were made (tools/train_tiny_target.py, seed 0, bf16 weights
+evaluated in fp32): held-out loss 0.703 nats/token over all 50 held-out documents and
+0.835 over the 20 this test uses, against log(768) = 6.64 for a uniform guess (and
+6.67 before training). The test asserts < 1.5.
 """
 
 from __future__ import annotations
@@ -90,6 +91,30 @@ def test_assets_load_offline(model, tok):
     again = build_target(TINY / "config.json", TINY / "model.safetensors", torch.float32, "cpu")
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_multimodal_checkpoint_layout_is_mapped(tmp_path):
+    """A Qwen3.5 release is a Qwen3_5ForConditionalGeneration checkpoint: a composite
+    config with a text_config, text weights under model.language_model., plus vision
+    and multi-token-prediction weights that a causal LM does not have."""
+    from safetensors.torch import load_file, save_file
+
+    text_cfg = json.loads((TINY / "config.json").read_text())
+    composite = {"model_type": "qwen3_5", "text_config": text_cfg, "tie_word_embeddings": False}
+    state = load_file(str(TINY / "model.safetensors"))
+    remapped = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v for k, v in state.items()}
+    remapped["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
+    remapped["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(remapped, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(composite))
+    m = build_target(tmp_path, tmp_path, torch.float32, "cpu")
+    ref = build_target(TINY, TINY, torch.float32, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values(), strict=True))
+    # and a checkpoint that does not fit the config is refused, not half-loaded
+    del state["lm_head.weight"]
+    save_file(state, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        build_target(TINY, tmp_path / "partial.safetensors", torch.float32, "cpu")
 
 
 def test_random_init_is_seeded_and_dtype_respected():

@@ -20,8 +20,8 @@ learn. So the text comes from a tiny fixed "world" and a handful of templates:
 Documents are 50-600 tokens long (with the tiny tokenizer, about 4.3 characters
 per token). The output is one JSON object per line: ``{"text": ...}``.
 Everything is driven by ``random.Random(seed)``: the same seed gives the same
-bytes. The last ``--holdout`` documents (default 50) are the held-out split
-that tools/train_tiny_target.py never trains on.
+bytes. The last 50 documents are the held-out split that
+tools/train_tiny_target.py (``--holdout 50``) never trains on.
 
 Usage:  python tools/make_tiny_corpus.py [--out graphs/tiny/corpus.jsonl] [--seed 0] [--docs 1000]
 """

@@ -46,6 +46,7 @@ __all__ = [
     "LAYER_TYPES",
     "Qwen35Dims",
     "body_forward_flops",
+    "body_forward_flops_breakdown",
     "body_forward_output_bytes",
     "body_forward_peak_bytes",
     "body_forward_workspace_breakdown",
@@ -1008,47 +1009,50 @@ def logits_bytes(d: Qwen35Dims, tokens: int, dtype_bytes: int) -> int:
 # --------------------------------------------------------------------------------------
 
 
-def _linear_layer_flops(d: Qwen35Dims, s: int) -> int:
-    h, c = d.hidden_size, DELTA_RULE_CHUNK
+def body_forward_flops_breakdown(d: Qwen35Dims, seq: int) -> dict[str, int]:
+    """Matmul-class FLOPs of the body forward by kind, summed over all layers.
+
+    2 FLOPs per multiply-add.  Keys: "mlp" (gate/up/down), "linear_proj" (in_proj_qkv/z/b/a,
+    out_proj), "conv" (depthwise causal conv1d), "delta_rule" (the chunked delta rule's
+    matmuls on the 64-padded length), "delta_rule_solve" (its two unit-lower-triangular
+    solves, c^2/2 multiply-adds per right-hand column), "attention_proj" (q with gate, k, v,
+    o), "attention" (QK^T and PV over the seq*(seq+1)/2 causal pairs).
+    """
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
+        raise ValueError(f"seq must be a positive int, got {seq!r}")
+    s, h, c = seq, d.hidden_size, DELTA_RULE_CHUNK
+    n_lin, n_full = d.count("linear_attention"), d.count("full_attention")
     nv, dk, dv = d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim
-    proj = 2 * s * h * (d.conv_dim + d.linear_value_dim + 2 * nv)  # in_proj_qkv/z/b/a
-    proj += 2 * s * d.linear_value_dim * h  # out_proj
-    conv = 2 * s * d.conv_dim * d.linear_conv_kernel_dim  # depthwise conv1d
-    sp = -(-s // c) * c
-    # per 64-token chunk and value head (mq L374-L415), padded length:
-    per = (
-        2 * c * c * dk  # k_beta @ key^T
-        + 2 * c * c * dk  # query @ key^T
-        + c * c * (dv + dk)  # two unit-lower-triangular solves (c^2/2 MACs per column)
-        + 2 * c * dk * dv  # k_cumdecay @ state
-        + 2 * c * dk * dv  # query @ state
-        + 2 * c * c * dv  # intra @ v_new
-        + 2 * c * dk * dv  # key^T @ v_new
+    nh, hd = d.num_attention_heads, d.head_dim
+    chunks = -(-s // c)
+    # per 64-token chunk and value head (mq L374-L415)
+    dr = (
+        2 * c * c * dk  # k_beta @ key^T (mq L374)
+        + 2 * c * c * dk  # query @ key^T (mq L375)
+        + 2 * c * dk * dv  # k_cumdecay[:, :, i] @ state (mq L411)
+        + 2 * c * dk * dv  # query[:, :, i] @ state (mq L412)
+        + 2 * c * c * dv  # intra_chunk_attn[:, :, i] @ v_new (mq L413)
+        + 2 * dk * c * dv  # key^T @ v_new (mq L415)
     )
-    return proj + conv + nv * (sp // c) * per
-
-
-def _full_layer_flops(d: Qwen35Dims, s: int) -> int:
-    h, nh, hd = d.hidden_size, d.num_attention_heads, d.head_dim
-    kv = d.num_key_value_heads * hd
-    proj = 2 * s * h * (2 * nh * hd + 2 * kv) + 2 * s * nh * hd * h  # q(+gate), k, v, o
-    # causal attention: s(s+1)/2 query-key pairs, QK^T and PV each 2*head_dim per pair
-    attn = 4 * nh * hd * (s * (s + 1) // 2)
-    return proj + attn
+    solve = c * c * (dv + dk)  # solve_triangular x2 (mq L385-L386)
+    return {
+        "mlp": d.num_hidden_layers * 2 * s * h * d.intermediate_size * 3,  # mq L829
+        "linear_proj": n_lin
+        * (2 * s * h * (d.conv_dim + d.linear_value_dim + 2 * nv) + 2 * s * d.linear_value_dim * h),
+        # depthwise conv1d with padding K-1 computes seq + K - 1 outputs, then slices (mq L265)
+        "conv": n_lin * 2 * (s + d.linear_conv_kernel_dim - 1) * d.conv_dim * d.linear_conv_kernel_dim,
+        "delta_rule": n_lin * nv * chunks * dr,
+        "delta_rule_solve": n_lin * nv * chunks * solve,
+        "attention_proj": n_full
+        * (2 * s * h * (2 * nh * hd + 2 * d.num_key_value_heads * hd) + 2 * s * nh * hd * h),
+        "attention": n_full * 4 * nh * hd * (s * (s + 1) // 2),
+    }
 
 
 def body_forward_flops(d: Qwen35Dims, seq: int) -> int:
-    """Matmul FLOPs of the body forward (embedding lookup, norms, elementwise excluded)."""
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
-        raise ValueError(f"seq must be a positive int, got {seq!r}")
-    mlp = 2 * seq * d.hidden_size * d.intermediate_size * 3
-    lin = _linear_layer_flops(d, seq)
-    full = _full_layer_flops(d, seq)
-    return (
-        d.num_hidden_layers * mlp
-        + d.count("linear_attention") * lin
-        + d.count("full_attention") * full
-    )
+    """Matmul-class FLOPs of the body forward (embedding lookup, norms, elementwise,
+    softmax and exp are not counted); see body_forward_flops_breakdown."""
+    return sum(body_forward_flops_breakdown(d, seq).values())
 
 
 def lm_head_flops(d: Qwen35Dims, tokens: int) -> int:

@@ -270,3 +270,13 @@ register(OpDef(
     cost=costs.loss,
     impl=f"{IMPL}:loss",
 ))
+
+register(OpDef(
+    name="output",
+    doc="Mark a tensor as a result of the graph (kept, returned by the interpreter); no outputs.",
+    inputs=(Port("x", "*x", "like:x"),),
+    outputs=(),
+    traits=Traits(sink=True, pure=False),
+    cost=costs.no_workspace,
+    impl=f"{IMPL}:output",
+))

@@ -1,0 +1,45 @@
+"""Logical devices of a graph to torch devices, with --device-map remapping ('cuda:*=cpu')."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from ..errors import GraphError, Location, Problem
+from ..spec.document import GraphSpec
+
+
+def parse_device_map(items: Sequence[str]) -> list[tuple[str, str]]:
+    out = []
+    for it in items:
+        src, sep, dst = it.partition("=")
+        if not sep or not src or not dst:
+            raise GraphError(Problem(f"--device-map expects FROM=TO, got {it!r}", Location(None, None, "--device-map"),
+                                     hint="e.g. --device-map 'cuda:*=cpu' or --device-map cuda:7=cuda:1"))
+        out.append((src.strip(), dst.strip()))
+    return out
+
+
+def torch_devices(spec: GraphSpec, device_map: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+    """Logical device name -> torch device string after remapping; checks that each exists on this machine."""
+    import torch
+
+    out = {}
+    for name, dev in spec.devices.items():
+        t = dev.torch
+        for pat, dst in device_map:
+            if fnmatch.fnmatch(t, pat):
+                t = dst
+                break
+        out[name] = t
+    for name, t in out.items():
+        if t.startswith("cuda"):
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = int(t.split(":")[1]) if ":" in t else 0
+            if idx >= n:
+                have = f"{n} CUDA device(s)" if n else "no CUDA device"
+                raise GraphError(Problem(
+                    f"device '{name}' maps to {t}, but this machine has {have}", spec.loc("devices", name, "torch"),
+                    hint="run on CPU with --device-map 'cuda:*=cpu' (small dims: --set dims.seq=...), or remap "
+                         "devices with --device-map cuda:7=cuda:0"))
+    return out

@@ -1,0 +1,141 @@
+"""Execute a checked (and rewritten) graph: each node's torch implementation on its node's device, replicas of
+group nodes one after another, every value freed after its last use, memory measured as it goes.
+
+One step runs the graph once per replica index r (a node on a group runs on the group's r-th device, a node on
+one device runs there for every r: the drafter device trains on each target's batch in turn). Nodes that feed a
+trainable model's loss run with autograd; everything else under no_grad.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from ..analysis.infer import Typed
+from ..analysis.memory import grad_nodes
+from ..ir.graph import Node, Ref
+from ..ops import registry
+from .contracts import check_node
+from .memtrack import LiveTracker
+from .models import ModelStore
+
+
+@attrs.define
+class ExecContext:
+    node: Node
+    params: Mapping[str, Any]
+    device: torch.device
+    logical_device: str
+    replica: int
+    wanted: frozenset[str]
+    generator: torch.Generator
+    store: ModelStore
+    batch_fn: Callable[[int], Mapping[str, torch.Tensor]]
+
+    def module(self, role: str):
+        return self.store.module(self.node, role, str(self.device))
+
+    def batch(self) -> Mapping[str, torch.Tensor]:
+        return self.batch_fn(self.replica)
+
+    def send(self, x: torch.Tensor) -> torch.Tensor:
+        # a transfer makes a new buffer on the receiving device, also between logical devices of one torch device
+        y = x.to(self.device, non_blocking=False)
+        return y.clone() if y is x or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else y
+
+
+def _impl(op_name: str):
+    mod, _, fn = registry.get(op_name).impl.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+class Interpreter:
+    def __init__(self, typed: Typed, store: ModelStore, torch_device: Mapping[str, str], strict: bool = False,
+                 seed: int = 0, track_memory: bool = True):
+        self.typed, self.store, self.torch_device, self.strict = typed, store, dict(torch_device), strict
+        g = typed.graph
+        self.order = list(g.nodes)
+        self.grads = grad_nodes(typed)
+        self.replicas = max((len(typed.ctx.devices_of(n.device)) for n in self.order), default=1)
+        self.impls = {n.id: _impl(n.op) for n in self.order}
+        self.last_use: dict[Ref, str] = {}
+        for n in self.order:
+            for _, r in n.inputs:
+                self.last_use[r] = n.id
+        self.sinks = [n.id for n in self.order if registry.get(n.op).traits.sink]
+        self.generator = torch.Generator().manual_seed(seed)
+        self.tracker = LiveTracker() if track_memory else None
+        self.params = {n.id: {k: (v[1] if isinstance(v, tuple) and k in typed.params[n.id].get("_dim_params", ()) else v)
+                              for k, v in typed.params[n.id].items()} for n in self.order}
+
+    def device_of(self, node: Node, r: int) -> str:
+        devs = self.typed.ctx.devices_of(node.device)
+        return devs[r % len(devs)]
+
+    def charge_weights(self) -> None:
+        """Charge resident weights to each logical device that uses them (as the prediction does)."""
+        if self.tracker is None:
+            return
+        seen: set[tuple[str, int]] = set()
+        for n in self.order:
+            op = registry.get(n.op)
+            if not n.model:
+                continue
+            for dev in self.typed.ctx.devices_of(n.device):
+                tdev = self.torch_device[dev]
+                roles = ["body"] if n.op in ("body_forward", "causal_lm_forward") else \
+                    (["drafter"] if n.op == "drafter_forward" else list(op.components))
+                for role in roles:
+                    mod = self.store.module(n, role, tdev)
+                    tensors = list(mod.parameters()) + list(mod.buffers())
+                    if role == "drafter":
+                        tensors.append(mod.embed.weight)
+                    for p in tensors:
+                        key = (dev, p.untyped_storage().data_ptr())
+                        if key not in seen:
+                            seen.add(key)
+                            self.tracker.live[dev] += p.untyped_storage().nbytes()
+                            self.tracker.peak[dev] = max(self.tracker.peak[dev], self.tracker.live[dev])
+
+    def run_replica(self, r: int, batch_fn) -> dict[str, dict[str, torch.Tensor]]:
+        """Forward of the whole graph for replica index r; returns the sink nodes' outputs."""
+        env: dict[Ref, torch.Tensor] = {}
+        results: dict[str, dict[str, torch.Tensor]] = {}
+        tr = self.tracker
+        for n in self.order:
+            dev = self.device_of(n, r)
+            tdev = torch.device(self.torch_device[dev])
+            params = self.params[n.id]
+            wanted = frozenset(k for k in self.typed.outputs_of(n.id)
+                               if self.typed.graph.consumers(Ref(n.id, k)) or registry.get(n.op).traits.sink)
+            ctx = ExecContext(n, params, tdev, dev, r, wanted, self.generator, self.store, batch_fn)
+            inputs = {p: env[ref] for p, ref in n.inputs}
+            if tr is not None:
+                tr.charge(dev, n.id)
+            with torch.set_grad_enabled(n.id in self.grads):
+                outs = self.impls[n.id](ctx, **inputs)
+            if self.strict:
+                check_node(registry.get(n.op), n.id, self.typed.params[n.id], {**inputs, **outs},
+                           {**self.typed.inputs_of(n.id), **self.typed.outputs_of(n.id)}, str(tdev), len(n.inputs))
+            for k, v in outs.items():
+                if k in wanted:
+                    env[Ref(n.id, k)] = v
+            if n.id in self.sinks:
+                results[n.id] = outs
+            del outs, inputs
+            for _, ref in n.inputs:
+                if self.last_use.get(ref) == n.id:
+                    env.pop(ref, None)
+        if tr is not None:
+            tr.charge(self._backward_device(r), "backward")
+        return results
+
+    def _backward_device(self, r: int) -> str | None:
+        for n in reversed(self.order):
+            if n.id in self.grads:
+                return self.device_of(n, r)
+        return None

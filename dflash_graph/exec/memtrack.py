@@ -1,0 +1,67 @@
+"""Live tensor bytes per logical device, measured while the interpreter runs (the CPU measuring stick).
+
+A TorchDispatchMode sees every tensor an op returns; each new storage is charged to the logical device whose
+node is running (or to the device set with `charge`) and released by a weakref callback when the storage dies,
+which is how torch's MemTracker counts too (torch/distributed/_tools/mem_tracker.py). Peaks are kept per device
+and per node. On CUDA the interpreter reads torch.cuda.max_memory_allocated instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveTracker(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.live: dict[str, int] = defaultdict(int)
+        self.peak: dict[str, int] = defaultdict(int)
+        self.node_peak: dict[str, int] = defaultdict(int)
+        self.device: str | None = None
+        self.node: str | None = None
+        self._refs: dict[int, tuple[weakref.ref, str, int]] = {}
+
+    def charge(self, device: str | None, node: str | None = None) -> None:
+        self.device, self.node = device, node
+
+    def track(self, t: torch.Tensor, device: str | None = None) -> None:
+        """Charge an existing tensor (weights, inputs made outside an op) to a device."""
+        self._add(t, device or self.device)
+
+    def _add(self, t: torch.Tensor, device: str | None) -> None:
+        if device is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = st.data_ptr() if st.nbytes() else id(st)
+        if key in self._refs and self._refs[key][0]() is not None:
+            return
+        n = st.nbytes()
+
+        def release(_ref, key=key, device=device, n=n):
+            if self._refs.get(key, (None,))[0] is _ref:
+                del self._refs[key]
+                self.live[device] -= n
+
+        self._refs[key] = (weakref.ref(st, release), device, n)
+        self.live[device] += n
+        if self.live[device] > self.peak[device]:
+            self.peak[device] = self.live[device]
+        if self.node is not None and device == self.device:
+            self.node_peak[self.node] = max(self.node_peak[self.node], self.live[device])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t, self.device)
+        return out
+
+    def reset_peaks(self) -> None:
+        for d in list(self.peak):
+            self.peak[d] = self.live[d]
+        self.node_peak.clear()

@@ -1,0 +1,119 @@
+"""The torch modules a graph's nodes use, built once per (model, torch device).
+
+A qwen3_5 model is built whole where a forward runs on it; a device that needs only some of its components
+(the drafter device needs the target's embedding, final norm and lm_head) gets copies of those modules. A model
+that shares components (`shares`) uses the owner's modules, frozen.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..analysis.infer import Typed
+from ..errors import GraphError, Problem
+from ..ops import registry
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class ModelStore:
+    def __init__(self, typed: Typed, torch_device: dict[str, str], seed: int = 0):
+        self.typed = typed
+        self.torch_device = torch_device
+        self.seed = seed
+        self._full: dict[tuple[str, str], nn.Module] = {}
+        self._parts: dict[tuple[str, str, str], nn.Module] = {}
+        self.drafters: dict[str, nn.Module] = {}   # model name -> the trainable module
+        base = typed.ctx.spec.file
+        self.base = Path(base).parent if base else Path(".")
+
+    # -- qwen3_5 ---------------------------------------------------------------------------------------------
+    def full(self, model: str, tdev: str) -> nn.Module:
+        key = (model, tdev)
+        if key not in self._full:
+            from ..models.nn.qwen3_5 import build_target
+
+            m = self.typed.ctx.models[model]
+            weights = m.spec.weights
+            if weights is not None:
+                weights = self.base / weights
+                if not weights.exists():
+                    raise GraphError(Problem(f"weights for model '{model}' not found: {weights}",
+                                             self.typed.ctx.spec.loc("models", model, "weights"),
+                                             hint="a local directory or .safetensors file, relative to the graph file"))
+            torch.manual_seed(self.seed)
+            built = build_target(dict(m.config), weights, DTYPES[m.spec.dtype], tdev)
+            built.requires_grad_(False)
+            self._full[key] = built
+        return self._full[key]
+
+    def _qwen_part(self, model: str, comp: str, tdev: str) -> nn.Module:
+        from ..models.nn.qwen3_5 import embedding, final_norm, lm_head
+
+        pick = {"embed": embedding, "norm": final_norm, "lm_head": lm_head}[comp]
+        if (model, tdev) in self._full:
+            return pick(self._full[(model, tdev)])
+        key = (model, comp, tdev)
+        if key not in self._parts:
+            src = next((m for (name, _), m in self._full.items() if name == model), None)
+            if src is None:
+                src = self.full(model, "cpu") if tdev != "cpu" else self.full(model, tdev)
+                if tdev == "cpu":
+                    return pick(src)
+            self._parts[key] = copy.deepcopy(pick(src)).to(tdev)
+        return self._parts[key]
+
+    # -- any component ---------------------------------------------------------------------------------------
+    def component(self, model: str, comp: str, tdev: str) -> nn.Module:
+        info = self.typed.ctx.models[model]
+        owner, ocomp = info.component_owner(comp).split(".")
+        oinfo = self.typed.ctx.models[owner]
+        if oinfo.spec.arch == "qwen3_5":
+            return self._qwen_part(owner, ocomp, tdev)
+        if oinfo.spec.arch == "dflash":
+            return self.drafter(owner, tdev)
+        raise KeyError(comp)
+
+    def drafter(self, model: str, tdev: str) -> nn.Module:
+        if model not in self.drafters:
+            from ..models.nn.dflash import DFlashDrafter
+
+            info = self.typed.ctx.models[model]
+            embed = self.component(model, "embed", tdev)
+            torch.manual_seed(self.seed + 1)
+            # NOTE [Trainable memory] (analysis/memory.py): trainable weights are fp32 masters; compute runs in
+            # the model dtype under autocast on CUDA.
+            d = DFlashDrafter(info.dims, embed, dtype=torch.float32).to(tdev)
+            d.train()
+            self.drafters[model] = d
+        return self.drafters[model]
+
+    def module(self, node, role: str, tdev: str) -> nn.Module:
+        if role == "body":
+            return self.full(node.model, tdev)
+        if role == "drafter":
+            return self.drafter(node.model, tdev)
+        return self.component(node.model, role, tdev)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for d in self.drafters.values() for p in d.parameters() if p.requires_grad]
+
+    def preload(self) -> None:
+        """Build every module the graph's nodes use, before the first step (so step 1 measures steady state)."""
+        for n in self.typed.graph.nodes:
+            op = registry.get(n.op)
+            if not n.model:
+                continue
+            for dev in self.typed.ctx.devices_of(n.device):
+                tdev = self.torch_device[dev]
+                if n.op in ("body_forward", "causal_lm_forward"):
+                    self.full(n.model, tdev)
+                elif n.op == "drafter_forward":
+                    self.drafter(n.model, tdev)
+                else:
+                    for comp in op.components:
+                        self.component(n.model, comp, tdev)

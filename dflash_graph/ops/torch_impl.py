@@ -1,0 +1,149 @@
+"""The torch implementation of every op in ops/catalog.py. Imported only by exec/ (never by `check`).
+
+Each function takes an `ExecContext` and the node's inputs by port name and returns its outputs by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from ..exec.interpreter import ExecContext
+
+
+def token_input(c: "ExecContext") -> dict[str, Tensor]:
+    b = c.batch()
+    return {"input_ids": b["input_ids"].to(c.device), "position_ids": b["position_ids"].to(c.device),
+            "loss_mask": b["loss_mask"].to(c.device)}
+
+
+def _forward(c: "ExecContext", input_ids: Tensor, position_ids: Tensor, logits: bool) -> dict[str, Tensor]:
+    from ..models.nn.qwen3_5 import body_forward as run_body, final_norm, lm_head
+
+    model = c.module("body")
+    capture = list(c.params.get("capture", ()))
+    last, captured = run_body(model, input_ids, position_ids, capture)
+    out = {"hidden": last, **{f"layer{i}": t for i, t in captured.items()}}
+    if logits:
+        out["logits"] = lm_head(model)(final_norm(model)(last))
+    return {k: v for k, v in out.items() if k in c.wanted}
+
+
+def causal_lm_forward(c, input_ids, position_ids):
+    return _forward(c, input_ids, position_ids, logits=True)
+
+
+def body_forward(c, input_ids, position_ids):
+    return _forward(c, input_ids, position_ids, logits=False)
+
+
+def concat(c, **xs):
+    return {"out": torch.cat([xs[f"x{i}"] for i in range(len(xs))], dim=-1)}
+
+
+def transfer(c, x):
+    return {"out": c.send(x)}
+
+
+def anchor_sample(c, loss_mask, position_ids):
+    from ..models.nn.dflash import sample_anchors
+
+    count, block = c.params["count"], c.params["block"]
+    a = sample_anchors(loss_mask, position_ids, block, count, c.generator)
+    valid = torch.zeros(count, dtype=torch.bool, device=loss_mask.device)
+    valid[: a.numel()] = True
+    pad = torch.zeros(count - a.numel(), dtype=torch.int64, device=a.device)  # position 0: masked out by `valid`
+    return {"anchors": torch.cat([a, pad]), "valid": valid}
+
+
+def block_positions(c, anchors):
+    block = c.params["block"]
+    return {"index": anchors.unsqueeze(-1) + torch.arange(block, device=anchors.device)}
+
+
+def gather(c, x, index):
+    axis = c.params["axis"]
+    n = x.shape[axis]
+    flat = index.reshape(-1)
+    out = torch.index_select(x, axis, flat.clamp(0, n - 1))
+    return {"out": out.reshape(*x.shape[:axis], *index.shape, *x.shape[axis + 1:])}
+
+
+def roll(c, x):
+    return {"out": torch.roll(x, c.params["shift"], c.params["axis"])}
+
+
+def index_shift(c, index):
+    return {"out": torch.remainder(index + c.params["shift"], c.params["modulo"])}
+
+
+def norm(c, x):
+    return {"out": c.module("norm")(x)}
+
+
+def lm_head(c, x):
+    return {"logits": c.module("lm_head")(x)}
+
+
+def drafter_forward(c, context, input_ids, position_ids, anchors):
+    return {"hidden": c.module("drafter")(context, input_ids, position_ids, anchors)}
+
+
+def output(c, x):
+    return {}
+
+
+def slot_weights(block: int, gamma: float, device) -> Tensor:
+    """Slot k of a block predicts token p+k; weight exp(-(k-1)/gamma) for k >= 1, slot 0 (the anchor) masked."""
+    k = torch.arange(block, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def _chunk_loss(kind: str, s: Tensor, t: Tensor) -> Tensor:
+    """Per-row divergence of student logits `s` from target logits `t`, [rows, V] -> [rows], in fp32."""
+    ls = F.log_softmax(s.float(), dim=-1)
+    lt = F.log_softmax(t.float(), dim=-1)
+    if kind == "ce":   # cross-entropy on the verifier's argmax
+        return -ls.gather(-1, lt.argmax(-1, keepdim=True)).squeeze(-1)
+    if kind == "kl":   # KL(p_t || p_s)
+        return (lt.exp() * (lt - ls)).sum(-1)
+    if kind == "rkl":  # KL(p_s || p_t)
+        return (ls.exp() * (ls - lt)).sum(-1)
+    if kind == "jsd":
+        m = torch.logaddexp(ls, lt) - math.log(2.0)
+        return 0.5 * ((ls.exp() * (ls - m)).sum(-1) + (lt.exp() * (lt - m)).sum(-1))
+    if kind == "tv":
+        return 0.5 * (ls.exp() - lt.exp()).abs().sum(-1)
+    raise ValueError(kind)
+
+
+def loss(c, logits, target, valid):
+    """Decayed per-slot loss over valid anchors, computed `chunk` rows at a time; each chunk is recomputed in
+    backward (torch.utils.checkpoint), so only one chunk's [chunk, vocab] fp32 temporaries ever exist."""
+    a, b, v = logits.shape
+    kind, chunk = c.params["kind"], max(1, min(int(c.params.get("chunk", 1024)), a * b))
+    target = target.detach()
+    w = slot_weights(b, c.params["gamma"], logits.device)[None, :] * valid[:, None].float()   # [A, B]
+    s2, t2 = logits.reshape(a * b, v), target.reshape(a * b, v)
+    per_row = []
+    for i in range(0, a * b, chunk):
+        si, ti = s2[i:i + chunk], t2[i:i + chunk]
+        if torch.is_grad_enabled() and si.requires_grad:
+            per_row.append(checkpoint(_chunk_loss, kind, si, ti, use_reentrant=False))
+        else:
+            per_row.append(_chunk_loss(kind, si, ti))
+    rows = torch.cat(per_row).view(a, b)
+    total = (rows * w).sum() / w.sum().clamp_min(1e-9)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == target.argmax(-1)).float()        # [A, B]
+        n = valid.float().sum().clamp_min(1.0)
+        acc = (hit * valid[:, None].float()).sum(0) / n
+    return {"loss": total, "slot_acc": acc}
