@@ -208,93 +208,99 @@ def device_events(typed: Typed, device: str, steps: int = STEPS_SIMULATED) -> tu
             q = int(typed.params[n.id].get("queue", 1))
             for k in range(max(q - 1, 0)):
                 seq.alloc(("queue", n.id, k), typed.types[Ref(n.id, "out")].nbytes, f"{n.id}/queue buffer {k + 1}")
+    # A device that hosts nodes of its own (not only a group's) runs them once per replica of the widest group:
+    # the drafter device trains on each target's batch in turn, and gradients accumulate across them.
+    replicas = max((len(ctx.devices_of(n.device)) for n in g.nodes), default=1)
+    direct = any(n.device == device for n in on)
+    iters = int(ctx.spec.train.get("grad_accum", 1) or 1) * (replicas if direct else 1)
     consumers_left_init: dict[Ref, int] = {}
     for n in g.nodes:
         for _, r in n.inputs:
             consumers_left_init[r] = consumers_left_init.get(r, 0) + 1
     for step in range(steps):
-        left = dict(consumers_left_init)
-        saved_refs: dict[Ref, int] = {}     # ref -> backward nodes still holding it
-        autocast: list[str] = []
-        for n in g.nodes:
-            here = n.id in on_ids
-            cost = costs.get(n.id, NodeCost())
-            if here:
-                label = n.id
-                if n.id in grads and n.model:
-                    m = ctx.models[n.model]
-                    if m.spec.trainable and m.spec.dtype != "float32":
-                        for owner, params in trainable_params.items():
-                            if owner.startswith(n.model + ".") and not seq.live(("autocast", owner)):
-                                seq.alloc(("autocast", owner), params * DTYPE_BYTES[m.spec.dtype], f"{n.id}/autocast weight copy")
-                                autocast.append(owner)
-                outs = typed.outputs_of(n.id)
-                program = cost.program
-                if program is None:
-                    program = (("alloc", "ws", cost.workspace_bytes),
-                               *(("alloc", f"out:{k}", t.nbytes) for k, t in outs.items()), ("free", "ws", 0))
-                if cost.saved_bytes:
-                    seq.alloc(("saved", n.id), cost.saved_bytes, f"{n.id}/saved for backward")
-                for kind, key, size in program:
-                    if key.startswith("out:"):
-                        ref = Ref(n.id, key[4:])
-                        if kind == "alloc" and ref in typed.types:
-                            seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)}")
-                    elif kind == "alloc":
-                        seq.alloc((n.id, key), size, f"{n.id}/{key}")
-                    else:
-                        seq.free((n.id, key), f"{n.id}/{key}")
-                for k in outs:
-                    ref = Ref(n.id, k)
-                    if left.get(ref, 0) == 0 and not registry.get(n.op).traits.sink:
-                        seq.free(ref, f"{n.id}/unread {k}")
-            # inputs: free after last consumer (the consumer may be on another device: a transfer's sender side)
-            for port, r in n.inputs:
-                left[r] -= 1
-                if here and n.id in grads and port in cost.saved_inputs:
-                    saved_refs[r] = saved_refs.get(r, 0) + 1
-                if left[r] == 0 and r not in saved_refs:
-                    seq.free(r, f"{n.id}/last use of {r}")
-        # backward
-        bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
-        grad_of: set[Ref] = set()
-        for n in bwd:
-            cost = costs[n.id]
-            label = f"{n.id}/backward"
-            if n.model:
-                for owner in trainable_params:
-                    if owner.startswith(n.model + ".") and not seq.live(("grad", owner)):
-                        seq.alloc(("grad", owner), trainable_params[owner] * 4, f"{label} weight grad {owner}")
-            if cost.workspace_bytes:
-                seq.alloc((n.id, "bwd_ws"), cost.workspace_bytes, f"{label} workspace")
-            for port, r in n.inputs:
-                if r.node in grads and r.node in on_ids and r not in grad_of:
-                    t = typed.types[r]
-                    seq.alloc(("dgrad", r), t.nbytes, f"{label} grad of {r}")
-                    grad_of.add(r)
-            if cost.workspace_bytes:
-                seq.free((n.id, "bwd_ws"), label)
-            for k in typed.outputs_of(n.id):
-                seq.free(("dgrad", Ref(n.id, k)), label)
-            seq.free(("saved", n.id), label)
-            for port, r in n.inputs:
-                if port in cost.saved_inputs and r in saved_refs:
-                    saved_refs[r] -= 1
-                    if saved_refs[r] == 0:
-                        del saved_refs[r]
-                        if left.get(r, 0) == 0:
-                            seq.free(r, f"{label} releases saved {r}")
-        for r in list(grad_of):
-            seq.free(("dgrad", r), "backward done")
-        for owner in autocast:
-            seq.free(("autocast", owner), "autocast cache cleared")
-        for r, _ in list(saved_refs.items()):
-            seq.free(r, "backward done")
-        # the loss value is kept for logging until the next step
-        for n in on:
-            if registry.get(n.op).traits.sink:
+        for it in range(iters):
+            left = dict(consumers_left_init)
+            saved_refs: dict[Ref, int] = {}     # ref -> backward nodes still holding it
+            autocast: list[str] = []
+            for n in g.nodes:
+                here = n.id in on_ids
+                cost = costs.get(n.id, NodeCost())
+                if here:
+                    label = n.id
+                    if n.id in grads and n.model:
+                        m = ctx.models[n.model]
+                        if m.spec.trainable and m.spec.dtype != "float32":
+                            for owner, params in trainable_params.items():
+                                if owner.startswith(n.model + ".") and not seq.live(("autocast", owner)):
+                                    seq.alloc(("autocast", owner), params * DTYPE_BYTES[m.spec.dtype], f"{n.id}/autocast weight copy")
+                                    autocast.append(owner)
+                    outs = typed.outputs_of(n.id)
+                    program = cost.program
+                    if program is None:
+                        program = (("alloc", "ws", cost.workspace_bytes),
+                                   *(("alloc", f"out:{k}", t.nbytes) for k, t in outs.items()), ("free", "ws", 0))
+                    if cost.saved_bytes:
+                        seq.alloc(("saved", n.id), cost.saved_bytes, f"{n.id}/saved for backward")
+                    for kind, key, size in program:
+                        if key.startswith("out:"):
+                            ref = Ref(n.id, key[4:])
+                            if kind == "alloc" and ref in typed.types:
+                                seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)}")
+                        elif kind == "alloc":
+                            seq.alloc((n.id, key), size, f"{n.id}/{key}")
+                        else:
+                            seq.free((n.id, key), f"{n.id}/{key}")
+                    for k in outs:
+                        ref = Ref(n.id, k)
+                        if left.get(ref, 0) == 0 and not registry.get(n.op).traits.sink:
+                            seq.free(ref, f"{n.id}/unread {k}")
+                # inputs: free after last consumer (the consumer may be on another device: a transfer's sender side)
+                for port, r in n.inputs:
+                    left[r] -= 1
+                    if here and n.id in grads and port in cost.saved_inputs:
+                        saved_refs[r] = saved_refs.get(r, 0) + 1
+                    if left[r] == 0 and r not in saved_refs:
+                        seq.free(r, f"{n.id}/last use of {r}")
+            # backward
+            bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
+            grad_of: set[Ref] = set()
+            for n in bwd:
+                cost = costs[n.id]
+                label = f"{n.id}/backward"
+                if n.model:
+                    for owner in trainable_params:
+                        if owner.startswith(n.model + ".") and not seq.live(("grad", owner)):
+                            seq.alloc(("grad", owner), trainable_params[owner] * 4, f"{label} weight grad {owner}")
+                if cost.workspace_bytes:
+                    seq.alloc((n.id, "bwd_ws"), cost.workspace_bytes, f"{label} workspace")
+                for port, r in n.inputs:
+                    if r.node in grads and r.node in on_ids and r not in grad_of:
+                        t = typed.types[r]
+                        seq.alloc(("dgrad", r), t.nbytes, f"{label} grad of {r}")
+                        grad_of.add(r)
+                if cost.workspace_bytes:
+                    seq.free((n.id, "bwd_ws"), label)
                 for k in typed.outputs_of(n.id):
-                    seq.free(Ref(n.id, k), f"step {step} done")
+                    seq.free(("dgrad", Ref(n.id, k)), label)
+                seq.free(("saved", n.id), label)
+                for port, r in n.inputs:
+                    if port in cost.saved_inputs and r in saved_refs:
+                        saved_refs[r] -= 1
+                        if saved_refs[r] == 0:
+                            del saved_refs[r]
+                            if left.get(r, 0) == 0:
+                                seq.free(r, f"{label} releases saved {r}")
+            for r in list(grad_of):
+                seq.free(("dgrad", r), "backward done")
+            for owner in autocast:
+                seq.free(("autocast", owner), "autocast cache cleared")
+            for r, _ in list(saved_refs.items()):
+                seq.free(r, "backward done")
+            # the loss value is kept for logging until the next step
+            for n in on:
+                if registry.get(n.op).traits.sink:
+                    for k in typed.outputs_of(n.id):
+                        seq.free(Ref(n.id, k), f"step {step} done")
         if trainable_params:
             total = sum(trainable_params.values()) * 4
             seq.alloc(("optim", step), total, "optimizer.step foreach temporaries")

@@ -91,15 +91,15 @@ class Interpreter:
                     (["drafter"] if n.op == "drafter_forward" else list(op.components))
                 for role in roles:
                     mod = self.store.module(n, role, tdev)
+                    if role == "body":
+                        mod = mod.model   # the body; an lm_head is charged where an lm_head node uses it
                     tensors = list(mod.parameters()) + list(mod.buffers())
                     if role == "drafter":
                         tensors.append(mod.embed.weight)
                     for p in tensors:
                         key = (dev, p.untyped_storage().data_ptr())
-                        if key not in seen:
-                            seen.add(key)
-                            self.tracker.live[dev] += p.untyped_storage().nbytes()
-                            self.tracker.peak[dev] = max(self.tracker.peak[dev], self.tracker.live[dev])
+                        self.tracker.adopt(p, dev, charge=key not in seen)
+                        seen.add(key)
 
     def run_replica(self, r: int, batch_fn) -> dict[str, dict[str, torch.Tensor]]:
         """Forward of the whole graph for replica index r; returns the sink nodes' outputs."""

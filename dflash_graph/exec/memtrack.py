@@ -33,6 +33,16 @@ class LiveTracker(TorchDispatchMode):
         """Charge an existing tensor (weights, inputs made outside an op) to a device."""
         self._add(t, device or self.device)
 
+    def adopt(self, t: torch.Tensor, device: str, charge: bool = True) -> None:
+        """Charge a tensor that existed before tracking began (a weight) to `device`, once per device, and remember
+        its storage so that views of it (a transposed weight) are not counted as new memory."""
+        st = t.untyped_storage()
+        key = st.data_ptr() if st.nbytes() else id(st)
+        self._refs.setdefault(key, (weakref.ref(st), "<adopted>", 0))
+        if charge:
+            self.live[device] += st.nbytes()
+            self.peak[device] = max(self.peak[device], self.live[device])
+
     def _add(self, t: torch.Tensor, device: str | None) -> None:
         if device is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return

@@ -99,6 +99,20 @@ class ModelStore:
             return self.drafter(node.model, tdev)
         return self.component(node.model, role, tdev)
 
+    def drop_unused_heads(self) -> None:
+        """A full model whose lm_head no node on that torch device uses does not keep it (after the rewrite that
+        drops the targets' logits, the targets hold the body only, as check predicted)."""
+        used = set()
+        for n in self.typed.graph.nodes:
+            op = registry.get(n.op)
+            if n.model and "lm_head" in op.components:
+                owner = self.typed.ctx.models[n.model].component_owner("lm_head").split(".")[0]
+                for dev in self.typed.ctx.devices_of(n.device):
+                    used.add((owner, self.torch_device[dev]))
+        for (model, tdev), m in self._full.items():
+            if (model, tdev) not in used and getattr(m, "lm_head", None) is not None:
+                m.lm_head = None
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for d in self.drafters.values() for p in d.parameters() if p.requires_grad]
 
@@ -117,3 +131,4 @@ class ModelStore:
                 else:
                     for comp in op.components:
                         self.component(n.model, comp, tdev)
+        self.drop_unused_heads()

@@ -80,7 +80,7 @@ register(OpDef(
                        *_layer_outputs(p)),
     params=_FORWARD_PARAMS,
     model_arch=("qwen3_5",),
-    components=("embed", "layers"),
+    components=("embed", "layers", "norm"),   # Qwen3_5TextModel applies its final norm: its weight is resident
     bind=_lm_bind,
     traits=Traits(drop_outputs=_drop_capture),
     cost=costs.body_forward,
