@@ -287,13 +287,15 @@ def _measure(cfg, seq, dtype, *, math=False, use_cache=False, packed=False):
 CASES = [
     # (id, cfg, seq, dtype, attention mode, flags)
     ("small-512-fp32", SMALL, 512, torch.float32, "cpu_flash", {}),
-    ("small-2048-bf16", SMALL, 2048, torch.bfloat16, "cpu_flash", {}),
+    ("small-2048-fp32", SMALL, 2048, torch.float32, "cpu_flash", {}),
+    ("small-1024-bf16", SMALL, 1024, torch.bfloat16, "cpu_flash", {}),
     ("scaled27b-1000-fp32", SCALED_27B, 1000, torch.float32, "cpu_flash", {}),
-    ("scaled27b-2048-bf16", SCALED_27B, 2048, torch.bfloat16, "cpu_flash", {}),
+    ("scaled27b-1536-bf16", SCALED_27B, 1536, torch.bfloat16, "cpu_flash", {}),
     ("widemlp-1536-bf16", WIDE_MLP, 1536, torch.bfloat16, "cpu_flash", {}),
     ("allfull-1024-fp32", ALL_FULL, 1024, torch.float32, "cpu_flash", {}),
     ("math-small-1024-fp32", SMALL, 1024, torch.float32, "math", {}),
     ("math-scaled27b-768-bf16", SCALED_27B, 768, torch.bfloat16, "math", {}),
+    ("math-packed-small-768-bf16", SMALL, 768, torch.bfloat16, "math", {"packed": True}),
     ("packed-allfull-1024-bf16", ALL_FULL, 1024, torch.bfloat16, "cpu_flash", {"packed": True}),
     ("packed-small-1000-fp32", SMALL, 1000, torch.float32, "cpu_flash", {"packed": True}),
     ("cache-small-1024-bf16", SMALL, 1024, torch.bfloat16, "cpu_flash", {"use_cache": True}),
@@ -359,9 +361,23 @@ def test_mode_ordering_and_monotonic_in_seq():
     # the dense packed mask is seq^2 bytes; math attention would need [24, seq, seq] fp32 tensors
     assert Q.body_forward_workspace_bytes(d, 65536, 2, packed=True) > ws + 65536**2 - 1
     assert Q.body_forward_workspace_bytes(d, 65536, 2, attention="math") > 2 * 24 * 65536**2 * 4
-    # the default use_cache=True keeps K/V of 16 full layers: about 4 GiB more at the end
+    # the default use_cache=True keeps K/V of 16 full layers: about 4.1 GiB at the end; the
+    # peak (layer 62, a Gated DeltaNet) already carries 15 of them and 46 linear states
     assert Q.cache_bytes(d, 65536, 2) == 16 * 2 * 65536 * 4 * 256 * 2 + 48 * (10240 * 4 * 2 + 48 * 128 * 128 * 4)
-    assert Q.body_forward_workspace_bytes(d, 65536, 2, use_cache=True) > ws + 3.9 * 2**30
+    d62 = Q.Qwen35Dims.from_config(dict(QWEN35_27B, num_hidden_layers=62))
+    assert Q.body_forward_workspace_bytes(d, 65536, 2, use_cache=True) == (
+        ws + Q.cache_bytes(d62, 65536, 2) + 10240 * 4 * 2
+    )
+
+
+def test_max_seq_within_is_the_boundary():
+    d = Q.Qwen35Dims.from_config(QWEN35_27B)
+    budget = 30 * 2**30
+    n = Q.max_seq_within(d, budget, 2)
+    assert Q.body_forward_peak_bytes(d, n, 2) <= budget < Q.body_forward_peak_bytes(d, n + 1, 2)
+    assert 65536 < n < 131072
+    assert Q.max_seq_within(d, 10, 2) == 0
+    assert Q.max_seq_within(d, 2**60, 2, limit=1000) == 1000
 
 
 def test_bad_arguments():

@@ -154,7 +154,7 @@ def cmd_plan(args) -> int:
     if args.emit:
         from ..rewrite.emit import emit_toml
 
-        text = emit_toml(plan)
+        text = emit_toml(plan, args.emit)
         with open(args.emit, "w") as f:
             f.write(text)
         print(f"wrote {args.emit}: {len(plan.typed.graph)} nodes, {len(plan.applied)} rewrites applied")

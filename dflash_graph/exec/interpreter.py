@@ -101,8 +101,9 @@ class Interpreter:
                         self.tracker.adopt(p, dev, charge=key not in seen)
                         seen.add(key)
 
-    def run_replica(self, r: int, batch_fn) -> dict[str, dict[str, torch.Tensor]]:
-        """Forward of the whole graph for replica index r; returns the sink nodes' outputs."""
+    def run_replica(self, r: int, batch_fn, keep: frozenset[Ref] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
+        """Forward of the whole graph for replica index r; returns the sink nodes' outputs (and, under their
+        node ids, any outputs named in `keep`, which are then not freed after their last use)."""
         env: dict[Ref, torch.Tensor] = {}
         results: dict[str, dict[str, torch.Tensor]] = {}
         tr = self.tracker
@@ -126,6 +127,9 @@ class Interpreter:
                     env[Ref(n.id, k)] = v
             if n.id in self.sinks:
                 results[n.id] = outs
+            for k, v in outs.items():
+                if Ref(n.id, k) in keep:
+                    results.setdefault(n.id, {})[k] = v
             del outs, inputs
             for _, ref in n.inputs:
                 if self.last_use.get(ref) == n.id:

@@ -56,6 +56,7 @@ __all__ = [
     "layer_params",
     "lm_head_flops",
     "logits_bytes",
+    "max_seq_within",
     "total_params",
 ]
 
@@ -64,10 +65,10 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 #: chunk size of ``torch_chunk_gated_delta_rule`` (mq L292, default used at mq L632)
 DELTA_RULE_CHUNK = 64
 
-#: Attention kernels that ``F.scaled_dot_product_attention`` can pick (sdpa_attention L226).
+#: Attention kernels that ``F.scaled_dot_product_attention`` can pick (sdpa_attention L193).
 #:  - "flash":     CUDA flash (or cuDNN) kernel: no [seq, seq] tensor; output laid out
 #:                 [batch, seq, heads, dim], so transformers' ``.transpose(1, 2).contiguous()``
-#:                 (sdpa_attention L234) is free.  GQA via ``enable_gqa`` (no repeat_kv).
+#:                 (sdpa_attention L206) is free.  GQA via ``enable_gqa`` (no repeat_kv).
 #:                 With a materialised mask (``packed=True``) CUDA cannot use flash and takes
 #:                 the memory-efficient kernel instead; see ``_sdpa``.
 #:  - "cpu_flash": ``aten._scaled_dot_product_flash_attention_for_cpu`` (what CPU and fake CPU
@@ -411,7 +412,28 @@ class _Live:
                 self.free(name)
 
     def rename(self, old: str, new: str) -> None:
+        if new in self.sizes:
+            raise AssertionError(f"tensor {new!r} allocated twice")
         self.sizes[new] = self.sizes.pop(old)
+        if self.events is not None:
+            self.events.append((self.phase, f"~{old}>{new}", 0, self.cur))
+
+    def live_at_peak(self) -> dict[str, int]:
+        """Live tensors at the first moment the peak is reached (needs record=True)."""
+        if self.events is None:
+            raise ValueError("replay was not recorded")
+        sizes: dict[str, int] = {}
+        for _, ev, n, cur in self.events:
+            if ev[0] == "+":
+                sizes[ev[1:]] = n
+                if cur == self.peak:
+                    return sizes
+            elif ev[0] == "-":
+                sizes.pop(ev[1:])
+            else:
+                old, new = ev[1:].split(">")
+                sizes[new] = sizes.pop(old)
+        return sizes
 
     def live(self, name: str) -> bool:
         return name in self.sizes
@@ -677,11 +699,11 @@ def _rotary_half(lv: _Live, tag: str, heads: int, s: int, r: int, b: int) -> Non
 def _sdpa(
     lv: _Live, d: Qwen35Dims, s: int, b: int, attention: str, masked: bool, out: str
 ) -> None:
-    """sdpa_attention_forward (sdpa_attention L93-L240) + the aten kernel it reaches."""
+    """sdpa_attention_forward (sdpa_attention L95-L208) + the aten kernel it reaches."""
     nh, nkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
     rep = nh != nkv
     if masked and rep and nkv > 1:
-        # a mask disables enable_gqa (use_gqa_in_sdpa, sdpa_attention L41-L50): repeat_kv
+        # a mask disables enable_gqa (use_gqa_in_sdpa, sdpa_attention L43-L52): repeat_kv
         # (sdpa_attention L20-L29) expands + reshapes K and V to all heads, a copy each
         # (with a single KV head the reshape of the expand is still a view).
         lv.alloc("sdpa.k_rep", b * nh * s * hd)
@@ -701,9 +723,7 @@ def _sdpa(
             lv.alloc("math.kf", F32 * (nh if masked and rep else nkv) * s * hd)
             lv.alloc("math.vf", F32 * (nh if masked and rep else nkv) * s * hd)
         lv.alloc("math.q", F32 * nh * s * hd)  # q * sqrt(scale)
-        if masked:
-            lv.alloc("math.bias", F32 * s * s)  # the additive mask, in fp32
-        else:
+        if not masked:  # (a given mask is added as it is: sdpa.float_mask above)
             lv.alloc("math.ones", s * s)  # is_causal: ones(L, S, bool).tril()
             lv.alloc("math.tril", s * s)
             lv.free("math.ones")
@@ -715,7 +735,7 @@ def _sdpa(
         lv.alloc("math.kT", F32 * nh * s * hd)  # k.transpose(-2, -1) * sqrt(scale)
         lv.alloc("math.attn0", F32 * nh * s * s)  # q @ kT
         lv.free("math.kT")
-        lv.alloc("math.attn1", F32 * nh * s * s)  # + attn_bias
+        lv.alloc("math.attn1", F32 * nh * s * s)  # + attn_bias (or the float mask)
         lv.free("math.attn0")
         lv.alloc("math.attn", F32 * nh * s * s)  # _safe_softmax
         lv.free("math.attn1")
@@ -737,7 +757,7 @@ def _sdpa(
     lv.drop("sdpa.float_mask")
     lv.drop("sdpa.k_rep", "sdpa.v_rep")
     if copy_out:
-        lv.alloc(out + "'", b * s * nh * hd)  # .transpose(1, 2).contiguous() (sdpa_attention L235)
+        lv.alloc(out + "'", b * s * nh * hd)  # .transpose(1, 2).contiguous() (sdpa_attention L206)
         lv.free(out)
         lv.rename(out + "'", out)
 
@@ -981,6 +1001,43 @@ def body_forward_peak_bytes(
     return seq * d.hidden_size * dtype_bytes + body_forward_workspace_bytes(
         d, seq, dtype_bytes, attention=attention, use_cache=use_cache, packed=packed
     )
+
+
+def max_seq_within(
+    d: Qwen35Dims,
+    budget_bytes: int,
+    dtype_bytes: int,
+    *,
+    attention: str = "flash",
+    use_cache: bool = False,
+    packed: bool = False,
+    limit: int = 1 << 26,
+) -> int:
+    """Largest seq whose body_forward_peak_bytes (input + workspace) fits in budget_bytes.
+
+    The peak is non-decreasing in seq, so this is a bisection (about 50 evaluations);
+    0 when not even one token fits, ``limit`` when ``limit`` tokens fit.
+    """
+    def fits(n: int) -> bool:
+        peak = body_forward_peak_bytes(
+            d, n, dtype_bytes, attention=attention, use_cache=use_cache, packed=packed
+        )
+        return peak <= budget_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and fits(hi):
+        lo, hi = hi, min(2 * hi, limit)
+    if hi == limit and fits(hi):
+        return limit
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def cache_bytes(d: Qwen35Dims, seq: int, dtype_bytes: int) -> int:

@@ -182,8 +182,6 @@ class Trainer:
         return {d: int(torch.cuda.max_memory_allocated(t)) for d, t in self.tdev.items() if t.startswith("cuda")}
 
     def _progress(self, rec: dict, t_start: float) -> None:
-        if not self.opts.progress:
-            return
         done = rec["step"] - self.start_step
         left = self.steps - rec["step"]
         eta = (time.perf_counter() - t_start) / max(done, 1) * left
@@ -193,7 +191,7 @@ class Trainer:
         bar = "#" * filled + "." * (width - filled)
         line = (f"[{bar}] step {rec['step']}/{self.steps} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | "
                 f"{rec['tokens_per_s']:,.0f} tok/s | {mem} | eta {eta:.0f}s")
-        if sys.stdout.isatty():
+        if self.opts.progress and sys.stdout.isatty():
             print("\r" + line, end="", flush=True)
         elif rec["step"] % int(self.cfg["log_every"]) == 0 or left == 0:
             print(line, flush=True)

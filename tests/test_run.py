@@ -1,0 +1,148 @@
+"""`dflash-graph run` on CPU: trains, measures memory against the prediction, checkpoints and resumes exactly,
+refuses a predicted OOM, explains a missing GPU, and runs the 27B topology at small dims."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_graph.cli.main import main
+from dflash_graph.ir.graph import Ref
+
+SMALL_27B = [
+    "dims.seq=96", "dims.anchors=4", "dims.block=4",
+    "models.target.config.hidden_size=32", "models.target.config.intermediate_size=64",
+    "models.target.config.num_attention_heads=2", "models.target.config.num_key_value_heads=1",
+    "models.target.config.head_dim=16", "models.target.config.linear_num_key_heads=1",
+    "models.target.config.linear_num_value_heads=2", "models.target.config.linear_key_head_dim=16",
+    "models.target.config.linear_value_head_dim=16", "models.target.config.vocab_size=768",
+    "models.drafter.config.intermediate_size=64", "models.drafter.config.num_attention_heads=2",
+    "models.drafter.config.num_key_value_heads=1", "models.drafter.config.head_dim=16",
+    "models.drafter.config.num_hidden_layers=1", "models.target.dtype=float32", "models.drafter.dtype=float32",
+]
+
+
+def sets(items):
+    return [x for it in items for x in ("--set", it)]
+
+
+def read_metrics(d):
+    return [json.loads(line) for line in open(d / "metrics.jsonl")]
+
+
+def test_tiny_run_trains_and_measures(in_repo, tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", "graphs/tiny.toml", "--steps", "4", "--out", str(out), "--no-progress", "--strict"]) == 0
+    m = read_metrics(out)
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    for r in m:
+        assert {"step", "loss", "tokens_per_s", "slot_acc", "lr", "grad_norm"} <= set(r)
+        assert len(r["slot_acc"]) == 4 and r["tokens_per_s"] > 0 and r["loss"] > 0
+    mem = json.loads((out / "memory.json").read_text())
+    assert set(mem["devices"]) == {"t0", "t1", "draft"}
+    for name, d in mem["devices"].items():
+        ratio = d["measured_peak_bytes"] / d["predicted_peak_bytes"]
+        assert 0.9 <= ratio <= 1.1, (name, d)
+    assert "drafter" in mem["nodes"] and "loss" in mem["nodes"]
+    assert (out / "checkpoint" / "drafter.safetensors").exists()
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 4
+
+
+def test_resume_continues_exactly(in_repo, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["run", "graphs/tiny.toml", "--steps", "4", "--out", str(a), "--no-progress"]) == 0
+    assert main(["run", "graphs/tiny.toml", "--steps", "2", "--out", str(b), "--no-progress"]) == 0
+    assert main(["run", "graphs/tiny.toml", "--steps", "4", "--out", str(b), "--resume", str(b), "--no-progress"]) == 0
+    la = [r["loss"] for r in read_metrics(a)]
+    lb = [r["loss"] for r in read_metrics(b)]
+    assert [r["step"] for r in read_metrics(b)] == [1, 2, 3, 4]
+    assert lb == la
+
+
+def test_refuses_a_predicted_oom(in_repo, tmp_path, capsys):
+    code = main(["run", "graphs/tiny.toml", "--set", "devices.draft.capacity=4 MiB", "--out", str(tmp_path),
+                 "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Tried to allocate" in err and "draft" in err and "refusing to run" in err
+
+
+def test_cuda_graph_on_a_machine_without_one(in_repo, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code = main(["run", "graphs/qwen27b.toml", *sets(SMALL_27B), "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--device-map 'cuda:*=cpu'" in err and "Traceback" not in err
+
+
+def test_qwen27b_topology_runs_on_cpu(in_repo, tmp_path):
+    out = tmp_path / "q"
+    code = main(["run", "graphs/qwen27b.toml", *sets(SMALL_27B), "--device-map", "cuda:*=cpu", "--steps", "2",
+                 "--out", str(out), "--no-progress", "--strict"])
+    assert code == 0
+    mem = json.loads((out / "memory.json").read_text())
+    assert set(mem["devices"]) == {f"gpu{i}" for i in range(8)}
+    assert all(d["measured_peak_bytes"] > 0 for d in mem["devices"].values())
+    assert len(read_metrics(out)) == 2
+
+
+def test_verifier_logits_equal_the_targets_own_forward(in_repo):
+    """The rewritten verifier path (gather moved before the target's own norm and lm_head, through the roll and
+    the transfer) gives at each anchored slot exactly the logits Qwen3_5ForCausalLM.forward() gives there."""
+    from pathlib import Path
+
+    from dflash_graph.exec.devices import torch_devices
+    from dflash_graph.exec.interpreter import Interpreter
+    from dflash_graph.exec.models import ModelStore
+    from dflash_graph.models.nn.qwen3_5 import document_spans
+    from dflash_graph.rewrite.pipeline import compile_graph
+    from dflash_graph.train.data import PackedData
+
+    plan = compile_graph("graphs/tiny.toml")
+    assert any(a.rule == "gather_through_positionwise" for a in plan.applied)
+    typed = plan.typed
+    tdev = torch_devices(typed.ctx.spec)
+    store = ModelStore(typed, tdev)
+    store.preload()
+    interp = Interpreter(typed, store, tdev, track_memory=False)
+    data = PackedData(Path("graphs/tiny/corpus.jsonl"), Path("graphs/tiny/tokenizer.json"), 256)
+    batch = data.next_batch()
+    keep = frozenset({Ref("verifier_lm_head", "logits"), Ref("anchors", "anchors"), Ref("anchors", "valid")})
+    with torch.no_grad():
+        res = interp.run_replica(0, lambda r: batch, keep=keep)
+        got = res["verifier_lm_head"]["logits"]               # [anchors, block, vocab]
+        anchors, valid = res["anchors"]["anchors"], res["anchors"]["valid"]
+        model = store.full("target", "cpu")
+        ref = torch.cat([model(input_ids=batch["input_ids"][s:e][None],
+                               position_ids=batch["position_ids"][s:e][None]).logits[0]
+                         for s, e in document_spans(batch["position_ids"])])  # [T, vocab]
+    T = ref.shape[0]
+    idx = (anchors[:, None] + torch.arange(4)[None, :] - 1) % T        # slot k of anchor p <- logits at p+k-1
+    want = ref[idx]
+    assert valid.any()
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_ctrl_c_saves_a_checkpoint(in_repo, tmp_path):
+    out = tmp_path / "int"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "dflash_graph", "run", "graphs/tiny.toml", "--steps", "500",
+                          "--out", str(out), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "--resume" in err
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == len((out / "metrics.jsonl").read_text().splitlines())
