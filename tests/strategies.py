@@ -281,9 +281,9 @@ class _Builder:
             idx = self.transfer(idx, device)
         return idx
 
-    def gather(self, x: Val) -> Val:
+    def gather(self, x: Val, batch_axis: bool = False) -> Val:
         draw = self.draw
-        axis = draw(st.integers(0, len(x.shape) - 1))
+        axis = draw(st.integers(0, len(x.shape) - (2 if batch_axis and len(x.shape) > 1 else 1)))
         prod = self.by_id[x.ref.split(".")[0]]
         if prod["op"] == "roll" and draw(st.booleans()):
             axis = prod["params"]["axis"]
@@ -314,6 +314,19 @@ class _Builder:
         there = self.transfer(x)
         return self.transfer(there, x.device)
 
+    def pattern(self, x: Val, extra_ops: tuple[str, ...]) -> Val:
+        """The DFlash verifier shape: a value through a few position-wise ops and rolls (maybe across devices),
+        then a selection along a batch axis."""
+        draw = self.draw
+        for _ in range(draw(st.integers(1, 3))):
+            kinds = ["roll", "transfer", *extra_ops] + (["norm", "lm_head", "lm_head"] if x.sizes[-1] == self.hidden else []) \
+                + (["concat"] if x.sizes[-1] <= 16 else [])
+            kind = draw(st.sampled_from(kinds))
+            x = {"roll": self.roll, "transfer": self.transfer, "norm": self.norm, "lm_head": self.lm_head,
+                 "concat": self.concat}[kind](x) if kind in ("roll", "transfer", "norm", "lm_head", "concat") \
+                else self.op(kind, x)
+        return self.gather(x, batch_axis=True)
+
     # pick ---------------------------------------------------------------------------------------------------
     def pick(self, pred=lambda v: True) -> Val | None:
         """A value of the pool, most often one of the latest (so chains form), sometimes any (so branches do)."""
@@ -341,8 +354,8 @@ def _node_toml(n: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-ACTIONS = ("source", "gather", "gather", "gather", "roll", "roll", "transfer", "norm", "lm_head", "lm_head", "concat",
-           "duplicate", "round_trip")
+ACTIONS = ("source", "gather", "gather", "roll", "roll", "transfer", "norm", "lm_head", "lm_head", "concat",
+           "duplicate", "round_trip", "pattern", "pattern", "pattern")
 
 
 @st.composite
@@ -385,6 +398,8 @@ def graphs(draw, extra_ops: tuple[str, ...] = (), max_steps: int = 8, groups: bo
             if x is None:
                 x = b.source(draw(st.sampled_from(places)), (*b.shape(draw(st.integers(0, 2))), ("hidden", hidden)))
             (b.norm if act == "norm" else b.lm_head)(x)
+        elif act == "pattern":
+            b.pattern(b.pick(floats), extra_ops)
         elif act == "duplicate":
             b.duplicate()
         elif act == "round_trip":

@@ -61,6 +61,7 @@ class Typed:
     ctx: GraphContext
     types: Mapping[Ref, TensorType]
     params: Mapping[str, Mapping[str, Any]]   # per node: params with defaults filled and dims evaluated
+    cache: dict = attrs.field(factory=dict, eq=False, repr=False)   # derived values (node costs), per typed graph
 
     def outputs_of(self, nid: str) -> dict[str, TensorType]:
         return {r.output: t for r, t in self.types.items() if r.node == nid}

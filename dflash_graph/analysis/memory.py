@@ -25,7 +25,7 @@ the end of backward (2 B/param for bf16). A float32 model has no autocast copies
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -128,6 +128,15 @@ def node_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
     return op.cost(CostContext(node, ins, outs, model.dims if model else None, db, grad))
 
 
+def _cached_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
+    # costs depend on the node and its types, not on the device: compute once per typed graph
+    cache = typed.cache
+    key = ("cost", node.id, grad)
+    if key not in cache:
+        cache[key] = node_cost(typed, node, grad)
+    return cache[key]
+
+
 def component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
     """Per physical device: owner component ('target.lm_head') -> parameter count."""
     out: dict[str, dict[str, int]] = {}
@@ -148,6 +157,14 @@ def component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
 
 # -- events -------------------------------------------------------------------------------------------------
 
+class _Ev(NamedTuple):
+    """An allocator event (the fields of allocator.Event), as a plain tuple: hundreds of thousands are built."""
+    op: str
+    tensor: int
+    size: int
+    label: str
+
+
 class _Seq:
     def __init__(self):
         self.events: list[Event] = []
@@ -162,12 +179,12 @@ class _Seq:
         self._next += 1
         self.ids[key] = tid
         self.sizes[tid] = size
-        self.events.append(Event("alloc", tid, size, label))
+        self.events.append(_Ev("alloc", tid, size, label))
 
     def free(self, key: Any, label: str) -> None:
         tid = self.ids.pop(key, None)
         if tid is not None:
-            self.events.append(Event("free", tid, self.sizes[tid], label))
+            self.events.append(_Ev("free", tid, self.sizes[tid], label))
 
     def live(self, key: Any) -> bool:
         return key in self.ids
@@ -178,13 +195,27 @@ def _tensor_desc(typed: Typed, ref: Ref) -> str:
     return f"{ref.output} {t.concrete_str()} {t.dtype}" if t else ref.output
 
 
+def _signature(typed: Typed, device: str) -> tuple:
+    """Devices with the same nodes placed the same way have the same allocation sequence (the replicas of a
+    group): build it once."""
+    ctx = typed.ctx
+    return tuple((n.id, n.device == device) for n in typed.graph.nodes if device in ctx.devices_of(n.device))
+
+
 def device_events(typed: Typed, device: str, steps: int = STEPS_SIMULATED) -> tuple[list[Event], dict[str, int]]:
     """The allocation sequence of `steps` training steps on one physical device, and weight/optimizer bytes."""
+    key = ("events", _signature(typed, device), steps)
+    if key not in typed.cache:
+        typed.cache[key] = _device_events(typed, device, steps)
+    return typed.cache[key]
+
+
+def _device_events(typed: Typed, device: str, steps: int) -> tuple[list[Event], dict[str, int]]:
     g, ctx = typed.graph, typed.ctx
     on = [n for n in g.nodes if device in ctx.devices_of(n.device)]
     on_ids = {n.id for n in on}
     grads = grad_nodes(typed)
-    costs = {n.id: node_cost(typed, n, n.id in grads) for n in on}
+    costs = {n.id: _cached_cost(typed, n, n.id in grads) for n in on}
     seq = _Seq()
     # load: weights (a model's decoder layers as one tensor block per layer), optimizer state, queue buffers
     weight_bytes = opt_bytes = 0
@@ -353,6 +384,11 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
     for name, dev in spec.devices.items():
         events, resident = device_events(typed, name)
         usable = max(dev.capacity - dev.outside_allocator, 0)
+        skey = ("sim", _signature(typed, name), usable, dev.torch.startswith("cuda"), allocator)
+        if skey in typed.cache:
+            devices[name] = attrs.evolve(typed.cache[skey], name=name, torch=dev.torch,
+                                         oom=attrs.evolve(typed.cache[skey].oom, device=name) if typed.cache[skey].oom else None)
+            continue
         if dev.torch.startswith("cuda"):
             # The verdict replays the sequence against the usable capacity; the peaks come from that replay when
             # the device fits, and from an unbounded replay when it does not (what the schedule would need).
@@ -389,6 +425,7 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
             peak_bytes=sim.allocated_peak, live_peak_bytes=peak_live, peak_node=peak_label.split("/")[0],
             reserved_peak_bytes=sim.reserved_peak, reserved_peak_node=at(sim.reserved_peak_index),
             node_peaks=node_peaks, oom=oom, timeline=sim.timeline, labels=labels)
+        typed.cache[skey] = devices[name]
     return MemoryReport(devices, allocator)
 
 
@@ -403,10 +440,13 @@ def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:
             flops[d] = flops.get(d, 0) + f
     peaks = {}
     for name in typed.ctx.spec.devices:
-        events, _ = device_events(typed, name, steps=1)
-        live = peak = 0
-        for ev in events:
-            live += ev.size if ev.op == "alloc" else -ev.size
-            peak = max(peak, live)
-        peaks[name] = peak
+        key = ("live_peak", _signature(typed, name))
+        if key not in typed.cache:
+            events, _ = device_events(typed, name, steps=1)
+            live = peak = 0
+            for ev in events:
+                live += ev.size if ev.op == "alloc" else -ev.size
+                peak = max(peak, live)
+            typed.cache[key] = peak
+        peaks[name] = typed.cache[key]
     return peaks, flops

@@ -6,6 +6,7 @@ Each formula names what allocates. Architecture-specific formulas live with the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,40 +89,91 @@ def _qwen_body(c: CostContext) -> tuple[int, int]:
     return max(ws, final_norm), qwen3_5.body_forward_flops(d, seq)
 
 
+@functools.lru_cache(maxsize=64)
+def _layer_chunks(d, seq: int, b: int) -> tuple[list, dict, list]:
+    """The allocation events of Qwen3_5TextModel.forward as models/qwen3_5.py replays them (checked there against
+    MemTracker): the prologue, one chunk per replayed layer kind, and the final norm."""
+    from ..models import qwen3_5
+
+    lv = qwen3_5._replay(d, seq, b, "flash", False, False, record=True)
+    prologue, chunks, cur = [], [], []
+    in_layers = False
+    for phase, ev, size, _ in lv.events:
+        if phase == "prologue" and not in_layers:
+            prologue.append((ev, size))
+            continue
+        in_layers = True
+        cur.append((ev, size))
+        if ev == "-h_out":
+            chunks.append(cur)
+            cur = []
+    final = cur
+    keys, seen = [], set()
+    for i, t in enumerate(d.layer_types):
+        k = (t, i > 0)
+        if k not in seen:
+            seen.add(k)
+            keys.append(k)
+    return prologue, dict(zip(keys, chunks)), final
+
+
 def _body_program(c: CostContext, ws: int, logits: bool) -> tuple[tuple[str, str, int], ...]:
-    """Per layer: the layer's temporaries (the two [seq, intermediate] MLP projections first, the rest after),
-    then its output [seq, hidden], then the temporaries are freed; a layer output no one captured is freed once
-    the next layer has consumed it. Hooked outputs are thereby allocated between big temporaries, as on a GPU."""
-    d = c.model_dims
-    seq = c.inputs["input_ids"].sizes[0]
-    h = seq * d.hidden_size * c.dtype_bytes
-    mlp = seq * d.intermediate_size * c.dtype_bytes
-    pieces = [mlp, mlp, max(ws - 2 * mlp, 0)] if ws > 2 * mlp else [ws]
-    captured = {int(k[5:]) for k in c.outputs if k.startswith("layer")}
+    """The body forward's allocations in order, layer by layer, from the replay in models/qwen3_5.py; hooked layer
+    outputs are allocated where the layer makes them, between its temporaries, as on a GPU. A layer output no
+    one captured is freed once the next layer has consumed it."""
+    captured = frozenset(int(k[5:]) for k in c.outputs if k.startswith("layer"))
+    return _body_steps(c.model_dims, c.inputs["input_ids"].sizes[0], c.dtype_bytes, captured, "hidden" in c.outputs,
+                       c.outputs["logits"].nbytes if logits else 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hidden: bool,
+                logits_bytes: int) -> tuple[tuple[str, str, int], ...]:
+    h = seq * d.hidden_size * dtype_bytes
+    prologue, chunks, final = _layer_chunks(d, seq, dtype_bytes)
     last = d.num_hidden_layers - 1
     steps: list[tuple[str, str, int]] = [("alloc", "embeds", h)]
+    alive: dict[str, str] = {}           # replay name -> program key
+
+    def replay(events, prefix: str, out_key: str | None) -> None:
+        for ev, size in events:
+            kind, name = ev[0], ev[1:]
+            if name in ("h_in",) or ev == "-h_out":
+                continue
+            if ev == "+h_out":
+                steps.append(("alloc", out_key, h))
+            elif kind == "+":
+                alive[name] = f"{prefix}{name}"
+                steps.append(("alloc", alive[name], size))
+            elif kind == "-":
+                steps.append(("free", alive.pop(name), 0))
+            elif kind == "~":
+                old, new = name.split(">")
+                alive[new] = alive.pop(old)
+
+    replay(prologue, "pro.", None)
     prev = "embeds"
-    for i in range(d.num_hidden_layers):
-        for j, b in enumerate(pieces):
-            if b:
-                steps.append(("alloc", f"l{i}.t{j}", b))
-        cur = f"out:layer{i}" if i in captured else ("out:hidden" if i == last and "hidden" in c.outputs else f"l{i}.out")
-        if i == last and i in captured and "hidden" in c.outputs:
-            cur = f"out:layer{i}"  # the same tensor; 'hidden' aliases it below
-        steps.append(("alloc", cur, h))
-        for j, b in enumerate(pieces):
-            if b:
-                steps.append(("free", f"l{i}.t{j}", 0))
+    for i, t in enumerate(d.layer_types):
+        if i in captured:
+            cur = f"out:layer{i}"
+        elif i == last and has_hidden:
+            cur = "out:hidden"
+        else:
+            cur = f"l{i}.out"
+        replay(chunks[(t, i > 0)], f"l{i}.", cur)
         if not prev.startswith("out:"):
             steps.append(("free", prev, 0))
         prev = cur
-    # Qwen3_5TextModel.forward: the final norm's fp32 temporaries and its [seq, hidden] result
-    steps += [("alloc", "norm.fp32", 2 * seq * d.hidden_size * 4), ("alloc", "normed", h), ("free", "norm.fp32", 0)]
-    if logits:
-        steps.append(("alloc", "out:logits", c.outputs["logits"].nbytes))
-    steps.append(("free", "normed", 0))
+    # Qwen3_5TextModel.forward ends with the final norm: its temporaries and the normed [seq, hidden] state
+    replay(final, "norm.", None)
+    normed = alive.get("last_hidden_state")
+    if logits_bytes:
+        steps.append(("alloc", "out:logits", logits_bytes))
+    for key in list(alive.values()):
+        steps.append(("free", key, 0))
     if not prev.startswith("out:"):
         steps.append(("free", prev, 0))
+    del normed
     return tuple(steps)
 
 

@@ -1,0 +1,76 @@
+"""Markdown reference pages generated from the declarations themselves: the TOML schema (spec/schema.py), the
+architectures' config keys, and the op registry. `python tools/gen_docs.py` writes them into docs/; a test
+fails when docs/ is out of date."""
+
+from __future__ import annotations
+
+from . import schema
+
+
+def _default(v) -> str:
+    return "" if v is None else f"`{v!r}`".replace("'", '"')
+
+
+def toml_reference() -> str:
+    from ..models.registry import ARCHS
+
+    out = ["# TOML reference", "",
+           "Generated from `dflash_graph/spec/schema.py` by `python tools/gen_docs.py`; do not edit by hand.", "",
+           "Unknown keys are errors that list the valid ones. Any scalar can be overridden from the command line "
+           "with `--set dotted.path=value` (nodes by id: `--set nodes.<id>.params.<name>=...`).", ""]
+    for sec in schema.SECTIONS:
+        title = sec.name if sec.name == "(top level)" else (f"[[{sec.name[:-2]}]]" if sec.name.endswith("[]") else f"[{sec.name}]")
+        out += [f"## {title}", "", sec.doc, ""]
+        if sec.open:
+            out += ["Free-form keys.", ""]
+        if sec.keys:
+            out += ["| key | type | required | default | meaning |", "|---|---|---|---|---|"]
+            for k in sec.keys:
+                doc = k.doc + (f" One of: {', '.join(k.choices)}." if k.choices else "")
+                out.append(f"| `{k.name}` | {k.kind} | {'yes' if k.required else ''} | {_default(k.default)} | {doc} |")
+            out.append("")
+    out += ["## Model configs by arch", ""]
+    for name, arch in ARCHS.items():
+        out += [f"### `{name}`", "", arch.doc, "",
+                "Keys the cost model reads: " + ", ".join(f"`{k}`" for k in sorted(arch.module.CONFIG_KEYS)) + ".", "",
+                "Also accepted in an inline config (read by transformers at run time): "
+                + ", ".join(f"`{k}`" for k in sorted(arch.config_keys - arch.module.CONFIG_KEYS)) + ".", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def ops_reference() -> str:
+    from ..ops import registry
+
+    out = ["# Node kinds", "",
+           "Generated from the op registry (`dflash_graph/ops/catalog.py`) by `python tools/gen_docs.py`; do not "
+           "edit by hand. Each op is declared once: this page, `check`, the rewrites and `run --strict` all read "
+           "the same declaration.", ""]
+    for name, op in sorted(registry.all_ops().items()):
+        out += [f"## `{name}`", "", op.doc, ""]
+        if op.model_arch:
+            out.append(f"- model: arch {' or '.join(op.model_arch)}; weights used: {', '.join(op.components)}")
+        example = {"capture": [1, 3]} if name.endswith("forward") and "capture" in [p.name for p in op.params] else {}
+        ins = op.input_ports(example, 2)
+        outs = op.output_ports({**example, "_n_inputs": 2})
+        var = f" (a list: `{op.variadic_input}0`, `{op.variadic_input}1`, ...)" if op.variadic_input else ""
+        out.append("- inputs" + var + ": " + (", ".join(f"`{p.name}` [{p.dims}] {p.dtype}" for p in ins) or "none"))
+        out.append("- outputs: " + (", ".join(f"`{p.name}` [{p.dims}] {p.dtype}" + (" (optional)" if p.optional else "")
+                                            for p in outs) or "none")
+                   + (" — one `layer<i>` per captured layer" if example else ""))
+        if op.params:
+            out.append("- params: " + "; ".join(f"`{p.name}` ({p.kind}{', required' if p.required else ''}"
+                                               f"{', default ' + repr(p.default) if p.default is not None and not p.required else ''})"
+                                               f": {p.doc.rstrip('.')}" for p in op.params))
+        t = op.traits
+        traits = [f"position-wise along `*{t.positionwise}`" if t.positionwise else "",
+                  f"index remap (shift `{t.remap.shift_param}`, axis `{t.remap.axis_param}`)" if t.remap else "",
+                  "selection" if t.selection else "", "movement" if t.movement else "",
+                  "decomposes" if t.decompose else "", "drops unread optional outputs" if t.drop_outputs else "",
+                  "sink (a result)" if t.sink else "", "" if t.pure else "has effects (never removed)"]
+        traits = [x for x in traits if x]
+        if traits:
+            out.append("- traits: " + "; ".join(traits))
+        if op.device_rule != "node":
+            out.append(f"- devices: {op.device_rule} (input on any device, output on the node's device)")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
