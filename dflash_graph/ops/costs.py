@@ -51,14 +51,23 @@ def _rows(t: TensorType) -> int:
 
 
 def norm(c: CostContext) -> NodeCost:
-    # Qwen3_5RMSNorm.forward: x.float() [fp32 copy], x.pow(2) [fp32], x * rsqrt(...) [fp32], * (1 + w.float()) [fp32],
-    # .type_as(x) [the output]. At most two fp32 [*, hidden] temporaries are alive at once (pow is freed after mean).
+    # Qwen3_5RMSNorm.forward (transformers 5.23), in allocation order: x.float() [A, fp32 copy; none when x is
+    # fp32], x.pow(2) [B] freed after .mean(), x * rsqrt(...) [C], A freed, C * (1 + w.float()) [D], C freed,
+    # .type_as(x) [the output; D itself when x is fp32], D freed. Peak: two fp32 [*, hidden] tensors.
+    # Measured by tests/test_op_memory.py.
     x = c.inputs["x"]
     fp32 = x.numel * 4
-    ws = 2 * fp32 if x.dtype != "float32" else fp32
+    out = c.outputs["out"].nbytes
+    if x.dtype == "float32":
+        program = (("alloc", "B", fp32), ("free", "B", 0), ("alloc", "C", fp32), ("alloc", "out:out", out),
+                   ("free", "C", 0))
+    else:
+        program = (("alloc", "A", fp32), ("alloc", "B", fp32), ("free", "B", 0), ("alloc", "C", fp32),
+                   ("free", "A", 0), ("alloc", "D", fp32), ("free", "C", 0), ("alloc", "out:out", out),
+                   ("free", "D", 0))
     # backward of x * rsqrt(mean(x^2)) * (1 + w) keeps the fp32 upcast of x and the per-row rsqrt
     saved = (x.numel * 4 * (x.dtype != "float32") + _rows(x) * 4) if c.grad else 0
-    return NodeCost(workspace_bytes=ws, saved_bytes=saved, flops=6 * x.numel,
+    return NodeCost(workspace_bytes=2 * fp32, saved_bytes=saved, flops=6 * x.numel, program=program,
                     saved_inputs=("x",) if c.grad else ())
 
 
@@ -209,14 +218,15 @@ def drafter_forward(c: CostContext) -> NodeCost:
 
 def loss(c: CostContext) -> NodeCost:
     # ops/torch_impl.loss works on `chunk` rows of [anchors*block, vocab] at a time and recomputes each chunk in
-    # backward (activation checkpointing), so only one chunk's fp32 temporaries exist at once: the student's
-    # upcast and log_softmax, the target's upcast and log_softmax/softmax, and the divergence terms: 6 fp32
-    # [chunk, vocab] tensors at the peak (measured by tests/test_memory_vs_memtracker.py). Backward of a chunk
+    # backward (activation checkpointing), so only one chunk's fp32 temporaries exist at once. For KL, in order:
+    # upcast of the student chunk (freed after) and its log_softmax, the same for the target, then exp, the
+    # difference and the product: 5 fp32 [chunk, vocab] tensors at the peak (tests/test_op_memory.py measures
+    # it with MemTracker; ce/rkl/jsd/tv need at most as many). Backward of a chunk
     # adds the chunk's gradient (fp32) and the [chunk, vocab] grad in the logits dtype is written into one
     # full-size gradient of the logits (counted by the analysis as the input's gradient).
     x = c.inputs["logits"]
     v = x.sizes[-1]
     rows = x.numel // v
     chunk = min(int(c.node.params.get("chunk", 1024)), rows)
-    ws = 6 * chunk * v * 4
+    ws = 5 * chunk * v * 4
     return NodeCost(workspace_bytes=ws, flops=12 * x.numel, saved_inputs=("logits", "target") if c.grad else ())

@@ -133,17 +133,19 @@ def loss(c, logits, target, valid):
     target = target.detach()
     w = slot_weights(b, c.params["gamma"], logits.device)[None, :] * valid[:, None].float()   # [A, B]
     s2, t2 = logits.reshape(a * b, v), target.reshape(a * b, v)
-    per_row = []
+    per_row, hits = [], []
     for i in range(0, a * b, chunk):
         si, ti = s2[i:i + chunk], t2[i:i + chunk]
         if torch.is_grad_enabled() and si.requires_grad:
             per_row.append(checkpoint(_chunk_loss, kind, si, ti, use_reentrant=False))
         else:
             per_row.append(_chunk_loss(kind, si, ti))
+        with torch.no_grad():   # per chunk: an argmax over bf16 on CPU upcasts its whole input
+            hits.append(si.argmax(-1) == ti.argmax(-1))
     rows = torch.cat(per_row).view(a, b)
     total = (rows * w).sum() / w.sum().clamp_min(1e-9)
     with torch.no_grad():
-        hit = (logits.argmax(-1) == target.argmax(-1)).float()        # [A, B]
+        hit = torch.cat(hits).view(a, b).float()                        # [A, B]
         n = valid.float().sum().clamp_min(1.0)
         acc = (hit * valid[:, None].float()).sum(0) / n
     return {"loss": total, "slot_acc": acc}

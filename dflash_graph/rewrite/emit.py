@@ -96,6 +96,31 @@ def _config_from_file(path: str, config: Mapping[str, Any]) -> bool:
         return False
 
 
+def _rewrite_comment(n, original, applied) -> str | None:
+    """What a rewrite did to node `n`: its note (the rule and why), or for a node a rewrite changed without a
+    note, the rule and the change (params, or inputs rewired to another producer)."""
+    if n.note:
+        return f"rewrite: {n.note}"
+
+    def last_rule(nid: str) -> str:
+        return next((a.rule for a in reversed(applied) if nid in a.nodes), "a rewrite")
+
+    if n.id not in original:
+        return f"rewrite: made by {last_rule(n.id)}"
+    old = original[n.id]
+    if n.same_as(old):
+        return None
+    parts = []
+    if dict(n.params) != dict(old.params):
+        parts.append(f"params changed by {last_rule(n.id)} (were {toml_value(dict(old.params))})")
+    was = dict(old.inputs)
+    for port, ref in n.inputs:
+        if was.get(port) != ref:
+            parts.append(f"{port} rewired by {last_rule(was[port].node) if port in was else 'a rewrite'}: "
+                         f"reads {ref} (was {was.get(port)})")
+    return "rewrite: " + "; ".join(parts or ["changed"])
+
+
 # -- sections ---------------------------------------------------------------------------------------------------
 
 def emit_toml(plan: Plan, out_path: str | os.PathLike | None = None) -> str:
@@ -180,16 +205,10 @@ def emit_toml(plan: Plan, out_path: str | os.PathLike | None = None) -> str:
         w.append("")
 
     original = plan.original.graph
-    touched_by: dict[str, list[str]] = {}
-    for a in plan.applied:
-        for nid in a.nodes:
-            if a.rule not in touched_by.setdefault(nid, []):
-                touched_by[nid].append(a.rule)
     for n in typed.graph.nodes:
-        if n.note:
-            w.append(_comment(f"rewrite: {n.note}"))
-        elif n.id not in original or not n.same_as(original[n.id]):
-            w.append(_comment(f"rewrite {', '.join(touched_by.get(n.id, ['(unknown rule)']))}: changed"))
+        comment = _rewrite_comment(n, original, plan.applied)
+        if comment:
+            w.append(_comment(comment))
         w.append("[[nodes]]")
         w.append(f"id = {toml_str(n.id)}")
         w.append(f"op = {toml_str(n.op)}")

@@ -62,45 +62,64 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int = 500,
     applied: list[Applied] = []
     peaks, flops = costs(typed)
     steps = 0
-    for pass_name, rules in tables:
-        rejected: set[tuple[str, str, int]] = set()
-        changed = True
-        while changed:
-            changed = False
-            fp = _fingerprint(typed.graph)
-            for node in typed.graph.nodes:
-                for rule in rules:
-                    key = (rule.name, node.id, fp)
-                    if key in rejected:
-                        continue
-                    rep = rule.match(typed, node)
-                    if rep is None:
-                        continue
-                    steps += 1
-                    if steps > max_steps:
-                        raise RewriteLoopError(f"infinite loop in rewrite pass '{pass_name}': more than {max_steps} "
-                                               f"rewrites (last: {rule.name} at '{node.id}')")
-                    graph = typed.graph.replace(rep.remove, rep.add, rep.redirect)
-                    try:
-                        new = infer(graph, typed.ctx)
-                    except GraphError as e:
-                        raise ContractBroken(f"rule {rule.name} at '{node.id}' produced an ill-typed graph:\n{e}") from e
-                    _check_outputs_kept(typed, new, rule)
-                    new_peaks, new_flops = costs(new)
-                    if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
-                        rejected.add(key)
-                        continue
-                    applied.append(Applied(pass_name, rule.name, rule.trait, rep.touched or (node.id,),
-                                           {d: peaks.get(d, 0) - new_peaks.get(d, 0) for d in peaks},
-                                           {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
-                    typed, peaks, flops = new, new_peaks, new_flops
-                    if verify:
-                        infer(typed.graph, typed.ctx)
-                    changed = True
-                    break
-                if changed:
-                    break
+    # NOTE [Fixpoint over all passes]: a later pass can enable an earlier one (merge_duplicates in `cleanup`
+    # leaves a position-wise node with one reader, which `push_selections` then moves a gather through), so the
+    # passes run again, in order, until a whole round applies nothing. The loop guard counts applied rewrites
+    # only: a rejected candidate is never retried on the same graph, so rejections cannot loop.
+    while True:
+        round_start = len(applied)
+        for pass_name, rules in tables:
+            rejected: set[tuple[str, str, int]] = set()
+            changed = True
+            while changed:
+                changed = False
+                fp = _fingerprint(typed.graph)
+                for node in typed.graph.nodes:
+                    for rule in rules:
+                        key = (rule.name, node.id, fp)
+                        if key in rejected:
+                            continue
+                        rep = rule.match(typed, node)
+                        if rep is None:
+                            continue
+                        graph = typed.graph.replace(rep.remove, rep.add, rep.redirect)
+                        try:
+                            new = infer(graph, typed.ctx)
+                        except GraphError as e:
+                            raise ContractBroken(f"rule {rule.name} at '{node.id}' produced an ill-typed graph:\n{e}") from e
+                        _check_outputs_kept(typed, new, rule)
+                        if _replicas(new) != _replicas(typed):
+                            rejected.add(key)      # NOTE [Replicas]
+                            continue
+                        new_peaks, new_flops = costs(new)
+                        if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
+                            rejected.add(key)
+                            continue
+                        steps += 1
+                        if steps > max_steps:
+                            raise RewriteLoopError(f"infinite loop in rewrite pass '{pass_name}': more than {max_steps} "
+                                                   f"rewrites (last: {rule.name} at '{node.id}')")
+                        applied.append(Applied(pass_name, rule.name, rule.trait, rep.touched or (node.id,),
+                                               {d: peaks.get(d, 0) - new_peaks.get(d, 0) for d in peaks},
+                                               {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
+                        typed, peaks, flops = new, new_peaks, new_flops
+                        if verify:
+                            infer(typed.graph, typed.ctx)
+                        changed = True
+                        break
+                    if changed:
+                        break
+        if len(applied) == round_start:
+            break
     return typed, applied
+
+
+def _replicas(typed: Typed) -> int:
+    """NOTE [Replicas]: a step runs the graph once per replica of the widest group that has a node
+    (exec/interpreter.py, analysis/memory.py), so a node on one device runs that many times per step. A rewrite
+    that removed the last node of that group (a transfer round trip through it, say) would change how often
+    every other node runs: it is not taken."""
+    return max((len(typed.ctx.devices_of(n.device)) for n in typed.graph.nodes), default=1)
 
 
 def _fingerprint(g: Graph) -> int:
@@ -109,12 +128,19 @@ def _fingerprint(g: Graph) -> int:
 
 
 def _check_outputs_kept(old: Typed, new: Typed, rule: Rule) -> None:
-    """Every graph result (sink output) keeps its type: rewrites never change what the graph computes."""
+    """Every graph result keeps its type: a sink's outputs (the loss) and what it reads (an `output` sink has no
+    outputs: its input is the result). Rewrites never change what the graph computes."""
     from ..ops import registry
 
     for n in old.graph.nodes:
         if registry.get(n.op).traits.sink:
+            if n.id not in new.graph:
+                raise ContractBroken(f"rule {rule.name} removed result {n.id}")
             for k, t in old.outputs_of(n.id).items():
                 nt = new.types.get(Ref(n.id, k))
                 if nt != t:
                     raise ContractBroken(f"rule {rule.name} changed result {n.id}.{k}: {t} -> {nt}")
+            for port, t in old.inputs_of(n.id).items():
+                nt = new.types.get(new.graph[n.id].input(port))
+                if nt != t:
+                    raise ContractBroken(f"rule {rule.name} changed what result {n.id} reads on '{port}': {t} -> {nt}")

@@ -16,6 +16,16 @@ def _op(node: Node):
     return registry.get(node.op)
 
 
+def _deterministic(node: Node) -> bool:
+    """Same inputs and params, same outputs: the node may be merged with a twin (merge_duplicates) or recomputed
+    on another device (_index_on). NOTE [Deterministic]: anchor_sample is declared pure (removable when unread)
+    but draws from the run's random generator, so a second copy samples other anchors. Traits has no flag for
+    this yet; until it does (`Traits.deterministic`, ops/contract.py), anchor_sample is the one pure op known
+    not to be deterministic, and this is the one place that knows it."""
+    op = _op(node)
+    return op.traits.pure and not op.traits.sink and op.name != "anchor_sample"
+
+
 def _sole_consumer(typed: Typed, ref: Ref, nid: str) -> bool:
     return [c for c, _ in typed.graph.consumers(ref)] == [nid]
 
@@ -174,7 +184,7 @@ def _index_on(typed: Typed, ref: Ref, device: str, add: list[Node], at: Node) ->
         (_, src), = prod.inputs
         if typed.types[src].device == device:
             return src
-    if op.model_arch == () and op.traits.pure and not op.traits.movement and prod.inputs and \
+    if op.model_arch == () and _deterministic(prod) and not op.traits.movement and prod.inputs and \
             all(typed.types[r].dtype in ("int64", "int32", "bool") for _, r in prod.inputs):
         ins = [(p, _index_on(typed, r, device, add, at)) for p, r in prod.inputs]
         nid = _fresh(typed, add, f"{prod.id}_on_{device}")
@@ -197,8 +207,7 @@ GATHER_THROUGH_POSITIONWISE = Rule(
 # -- common subexpressions --------------------------------------------------------------------------------------
 
 def _cse(typed: Typed, node: Node) -> Replacement | None:
-    op = _op(node)
-    if not op.traits.pure or op.traits.sink or op.model_arch or op.name == "anchor_sample":
+    if not _deterministic(node) or _op(node).model_arch:
         return None
     key = (node.op, node.inputs, tuple(sorted((k, repr(v)) for k, v in node.params.items())), node.device)
     for other in typed.graph.nodes:

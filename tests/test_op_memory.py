@@ -1,0 +1,98 @@
+"""The per-op memory formulas of ops/costs.py (norm, lm_head, loss) against torch's MemTracker running the op's
+own torch implementation: transient + output bytes above the live inputs, within 10%."""
+
+import types
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from dflash_graph.ir.graph import Node
+from dflash_graph.ir.types import Dim, TensorType
+from dflash_graph.ops import costs, torch_impl
+
+DT = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def tt(t: torch.Tensor) -> TensorType:
+    return TensorType(tuple(Dim(str(s), s) for s in t.shape), DT.get(t.dtype, "float32"), "cpu")
+
+
+def measure(fn, *inputs) -> int:
+    """MemTracker's peak of activations + temporaries while fn runs. The inputs were made before tracking; they
+    are registered as external so that views of them (a reshape, a slice) are not counted as new memory."""
+    mt = MemTracker()
+    if inputs:
+        mt.track_external(*inputs)
+    with mt:
+        out = fn()
+    snap = mt.get_tracker_snapshot("peak")
+    dev = next(iter(snap))
+    del out
+    return snap[dev].get(_MemRefType.ACT, 0) + snap[dev].get(_MemRefType.TEMP, 0)
+
+
+def predicted(cost_fn, node, inputs, outputs, grad=False, dtype_bytes=2) -> int:
+    c = cost_fn(costs.CostContext(node, {k: tt(v) for k, v in inputs.items()},
+                                  {k: tt(v) for k, v in outputs.items()}, None, dtype_bytes, grad))
+    if c.program is None:
+        return c.workspace_bytes + sum(v.numel() * v.element_size() for v in outputs.values())
+    return _replay(c.program)   # the op's own allocation order
+
+
+def _replay(program) -> int:
+    sizes, live, peak = {}, 0, 0
+    for kind, key, size in program:
+        if kind == "alloc":
+            sizes[key] = size
+            live += size
+            peak = max(peak, live)
+        else:
+            live -= sizes.pop(key)
+    return peak
+
+
+def ctx(params=None, modules=None):
+    return types.SimpleNamespace(params=params or {}, module=lambda role: modules[role])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm(dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    norm = Qwen3_5RMSNorm(256).to(dtype)
+    x = torch.randn(2048, 256, dtype=dtype)
+    with torch.no_grad():
+        got = measure(lambda: torch_impl.norm(ctx(modules={"norm": norm}), x), x)
+        out = torch_impl.norm(ctx(modules={"norm": norm}), x)
+    want = predicted(costs.norm, Node("n", "norm", ()), {"x": x}, out, dtype_bytes=dtype.itemsize)
+    assert abs(got - want) / want < 0.10, (got, want)
+
+
+def test_lm_head():
+    head = torch.nn.Linear(128, 4000, bias=False).to(torch.bfloat16)
+    x = torch.randn(512, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = measure(lambda: torch_impl.lm_head(ctx(modules={"lm_head": head}), x), x)
+        out = torch_impl.lm_head(ctx(modules={"lm_head": head}), x)
+    want = predicted(costs.lm_head, Node("h", "lm_head", ()), {"x": x}, out)
+    assert abs(got - want) / want < 0.10, (got, want)
+
+
+@pytest.mark.parametrize("kind", ["kl", "ce"])
+@pytest.mark.parametrize("chunk", [64, 1024])
+def test_loss_forward(kind, chunk):
+    a, b, v = 32, 8, 3000
+    logits = torch.randn(a, b, v, dtype=torch.bfloat16)
+    target = torch.randn(a, b, v, dtype=torch.bfloat16)
+    valid = torch.ones(a, dtype=torch.bool)
+    params = {"kind": kind, "gamma": 7.0, "chunk": chunk}
+    with torch.no_grad():
+        got = measure(lambda: torch_impl.loss(ctx(params), logits, target, valid), logits, target, valid)
+    node = Node("loss", "loss", (), params)
+    want = predicted(costs.loss, node, {"logits": logits, "target": target, "valid": valid},
+                     {"loss": torch.zeros(()), "slot_acc": torch.zeros(b)})
+    # the formula bounds the chunk temporaries by the worst kind (kl); ce needs fewer
+    assert got <= want * 1.10, (got, want)
+    if kind == "kl":
+        assert abs(got - want) / want < 0.10, (got, want)

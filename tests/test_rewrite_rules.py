@@ -1,0 +1,501 @@
+"""The rules on the graph that crashed (graphs/qwen27b.toml, shared/DESIGN.md "The problem, in one story"), and
+on variants of it that prove each rule's legality comes from a declared trait, never from an op's name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from dflash_graph.analysis.infer import build, infer
+from dflash_graph.cli.main import main
+from dflash_graph.ops import registry
+from dflash_graph.ops.catalog import IMPL
+from dflash_graph.ops.contract import IndexRemap, OpDef, Param, Port, Traits
+from dflash_graph.ops import costs
+from dflash_graph.rewrite.pipeline import Plan, compile_graph, compile_typed
+from dflash_graph.rewrite.rules import ALL_RULES, DEFAULT_TABLES
+from dflash_graph.spec.loader import parse_graph
+
+GiB = 2**30
+SEQ, VOCAB, ANCHORS, BLOCK, HIDDEN = 65536, 248320, 512, 16, 5120
+DEVICES = [f"gpu{i}" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def qwen_text(request) -> str:
+    return (request.config.rootpath / "graphs" / "qwen27b.toml").read_text()
+
+
+def plan_of(text: str, root, rewrite: bool = True) -> Plan:
+    """Compile TOML text as if it were graphs/qwen27b.toml (its config path resolves from graphs/)."""
+    spec = parse_graph(text, str(root / "graphs" / "variant.toml"), base_dir=root / "graphs")
+    graph, ctx = build(spec)
+    return compile_typed(infer(graph, ctx), rewrite)
+
+
+@pytest.fixture(scope="module")
+def plans(request):
+    root = request.config.rootpath
+    path = str(root / "graphs" / "qwen27b.toml")
+    return compile_graph(path), compile_graph(path, rewrite=False)
+
+
+def full_logits(plan: Plan) -> list[str]:
+    return [str(r) for r, t in plan.typed.types.items() if t.sizes == (SEQ, VOCAB)]
+
+
+# -- the 27B graph --------------------------------------------------------------------------------------------
+
+def test_check_exits_0_with_rewrites_and_1_without(in_repo, capsys):
+    assert main(["check", "graphs/qwen27b.toml"]) == 0
+    assert "verdict: fits on every device" in capsys.readouterr().out
+    assert main(["check", "graphs/qwen27b.toml", "--no-rewrite"]) == 1
+
+
+def test_no_device_materialises_full_logits(plans):
+    rewritten, as_written = plans
+    assert sorted(full_logits(as_written)) == ["target.logits", "verifier_lm_head.logits", "verifier_roll.out"]
+    assert full_logits(rewritten) == []
+    for r, t in rewritten.typed.types.items():     # nor any other [seq, vocab]-sized tensor, in any layout
+        assert not (SEQ in t.sizes and VOCAB in t.sizes), f"{r}: {t}"
+
+
+def test_drafter_peak_falls_by_26_gib(plans):
+    rewritten, as_written = plans
+    before, after = as_written.memory.devices["gpu7"], rewritten.memory.devices["gpu7"]
+    assert before.peak_bytes - after.peak_bytes >= 26 * GiB, (before.peak_bytes / GiB, after.peak_bytes / GiB)
+    assert before.oom is not None and after.oom is None
+    assert rewritten.memory_before.devices["gpu7"].peak_bytes == before.peak_bytes
+    for d in DEVICES:                                  # and no device got worse
+        assert rewritten.memory.devices[d].peak_bytes <= as_written.memory.devices[d].peak_bytes
+
+
+def test_verifier_norm_and_lm_head_run_on_anchored_positions(plans):
+    rewritten, as_written = plans
+    t = rewritten.typed
+    for nid in ("verifier_norm", "verifier_lm_head"):
+        x = t.inputs_of(nid)["x"]
+        assert x.sizes == (ANCHORS, BLOCK, HIDDEN), nid
+        assert x.numel // HIDDEN == 8192 == ANCHORS * BLOCK
+        assert as_written.typed.inputs_of(nid)["x"].sizes == (SEQ, HIDDEN)
+    assert t.outputs_of("verifier_lm_head")["logits"].sizes == (ANCHORS, BLOCK, VOCAB)
+    # the loss reads the same verifier targets (type) as before
+    assert t.inputs_of("loss") == as_written.typed.inputs_of("loss")
+    # only the selected rows of the last hidden state cross to gpu7; the targets keep the body only
+    assert t.outputs_of("last_hidden_tx")["out"].sizes == (ANCHORS, BLOCK, HIDDEN)
+    assert t.graph["target"].op == "body_forward"
+
+
+def test_json_rewrites_carry_rule_nodes_and_savings(in_repo, capsys, plans):
+    assert main(["check", "graphs/qwen27b.toml", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    rw = js["rewrites"]
+    assert [r["rule"] for r in rw] == [
+        "decompose_forward", "drop_unused", "drop_unused", "gather_through_remap", "drop_unused",
+        "gather_through_positionwise", "gather_through_positionwise", "gather_through_positionwise",
+        "drop_unused", "drop_unused"]
+    for r in rw:
+        assert r["rule"] in ALL_RULES and r["trait"] == ALL_RULES[r["rule"]].trait
+        assert r["nodes"] and all(isinstance(n, str) for n in r["nodes"])
+        assert sorted(r["saved_bytes"]) == sorted(DEVICES)
+        assert all(isinstance(v, int) and v >= 0 for v in r["saved_bytes"].values()), r   # decompose is `always`
+    assert rw[0]["nodes"] == ["target", "target_norm", "target_lm_head"]
+    drop_head = rw[1]
+    assert drop_head["nodes"] == ["target_lm_head"] and all(drop_head["saved_bytes"][f"gpu{i}"] > 13 * GiB for i in range(7))
+    assert rw[4]["nodes"] == ["verifier_roll"] and rw[4]["saved_bytes"]["gpu7"] > 26 * GiB
+    # the savings add up: each is the driver's cost function (live_peaks) before minus after that rewrite
+    from dflash_graph.analysis.memory import live_peaks
+
+    before, after = live_peaks(plans[0].original)[0], live_peaks(plans[0].typed)[0]
+    for d in DEVICES:
+        assert sum(r["saved_bytes"][d] for r in rw) == before[d] - after[d]
+
+
+# -- legality from traits ---------------------------------------------------------------------------------------
+
+RING_SHIFT = OpDef(
+    name="ring_shift", doc="torch.roll under another name and other param names.",
+    inputs=(Port("x", "*x", "like:x"),), outputs=(Port("out", "*x", "like:x"),),
+    params=(Param("k", "int", "Shift.", required=True), Param("dim", "int", "Axis.", default=0)),
+    traits=Traits(remap=IndexRemap("k", "dim")), cost=costs.no_workspace, impl=f"{IMPL}:roll")
+
+def _variant(text: str, node: str, **changes: str) -> str:
+    """Change `key = value` lines inside the [[nodes]] table whose id is `node`."""
+    start = text.index(f'id = "{node}"')
+    end = text.find("[[nodes]]", start)
+    end = len(text) if end < 0 else end
+    block = text[start:end]
+    for key, value in changes.items():
+        if re.search(rf"^{key} = .*$", block, flags=re.M):
+            block = re.sub(rf"^{key} = .*$", f"{key} = {value}", block, count=1, flags=re.M)
+        else:
+            block = block.rstrip("\n") + f"\n{key} = {value}\n\n"
+    return text[:start] + block + text[end:]
+
+
+def test_remap_legality_from_traits(qwen_text, plans, request):
+    """A roll registered under another name, with other param names, is moved through the same way."""
+    text = _variant(qwen_text, "verifier_roll", op='"ring_shift"', params="{ k = 1, dim = 0 }")
+    with registry.registered(RING_SHIFT):
+        plan = plan_of(text, request.config.rootpath)
+    stock, _ = plans
+    assert [(a.rule, a.nodes) for a in plan.applied] == [(a.rule, a.nodes) for a in stock.applied]
+    assert full_logits(plan) == []
+    assert {d: m.peak_bytes for d, m in plan.memory.devices.items()} == \
+           {d: m.peak_bytes for d, m in stock.memory.devices.items()}
+    shift = plan.typed.graph["verifier_targets_index_on_targets"]
+    assert shift.op == "index_shift" and dict(shift.params) == {"shift": SEQ - 1, "modulo": SEQ}
+
+
+def test_remap_param_values_are_read_through_the_trait(qwen_text, request):
+    """Shift 3 along axis 0: the index is shifted by -3 mod seq. Along another axis than the gather's: no rewrite."""
+    text = _variant(qwen_text, "verifier_roll", op='"ring_shift"', params="{ k = 3, dim = 0 }")
+    with registry.registered(RING_SHIFT):
+        plan = plan_of(text, request.config.rootpath)
+        assert dict(plan.typed.graph["verifier_targets_index_on_targets"].params) == {"shift": SEQ - 3, "modulo": SEQ}
+        other = plan_of(_variant(qwen_text, "verifier_roll", op='"ring_shift"', params="{ k = 3, dim = 1 }"),
+                        request.config.rootpath)
+    assert "gather_through_remap" not in {a.rule for a in other.applied}
+    assert other.typed.graph["verifier_roll"].op == "ring_shift"
+
+
+def test_positionwise_legality_from_traits(qwen_text, request):
+    """The verifier norm as an op with the norm's contract but no position-wise trait: the gather moves through
+    the roll and the lm_head, and stops there: the norm still runs on all 65,536 positions."""
+    import attrs
+
+    opaque = attrs.evolve(registry.get("norm"), name="opaque_norm", traits=Traits())
+    text = _variant(qwen_text, "verifier_norm", op='"opaque_norm"')
+    with registry.registered(opaque):
+        plan = plan_of(text, request.config.rootpath)
+    assert full_logits(plan) == []
+    t = plan.typed
+    assert t.inputs_of("verifier_norm")["x"].sizes == (SEQ, HIDDEN)
+    assert t.inputs_of("verifier_lm_head")["x"].sizes == (ANCHORS, BLOCK, HIDDEN)
+    assert t.outputs_of("last_hidden_tx")["out"].sizes == (SEQ, HIDDEN)
+    assert not any(a.rule == "gather_through_positionwise" and "verifier_norm" in a.nodes for a in plan.applied)
+
+
+def test_movement_legality_from_traits(qwen_text, plans, request):
+    """A transfer under another name (same declaration) is crossed the same way."""
+    import attrs
+
+    send = attrs.evolve(registry.get("transfer"), name="p2p_send")
+    text = _variant(qwen_text, "last_hidden_tx", op='"p2p_send"')
+    with registry.registered(send):
+        plan = plan_of(text, request.config.rootpath)
+    stock, _ = plans
+    assert plan.typed.graph["last_hidden_tx"].op == "p2p_send"
+    assert plan.typed.outputs_of("last_hidden_tx")["out"].sizes == (ANCHORS, BLOCK, HIDDEN)
+    assert {d: m.peak_bytes for d, m in plan.memory.devices.items()} == \
+           {d: m.peak_bytes for d, m in stock.memory.devices.items()}
+
+
+def test_decompose_legality_from_traits(qwen_text, plans, request):
+    """A fused forward under another name that declares the same decomposition is split and its lm_head dropped;
+    without the trait, the [seq, vocab] logits stay on the targets."""
+    import attrs
+
+    fused = attrs.evolve(registry.get("causal_lm_forward"), name="hf_forward")
+    plain = attrs.evolve(fused, name="hf_forward_plain", traits=Traits())
+    with registry.registered(fused), registry.registered(plain):
+        plan = plan_of(_variant(qwen_text, "target", op='"hf_forward"'), request.config.rootpath)
+        kept = plan_of(_variant(qwen_text, "target", op='"hf_forward_plain"'), request.config.rootpath)
+    assert plan.typed.graph["target"].op == "body_forward" and full_logits(plan) == []
+    assert full_logits(kept) == ["target.logits"]
+    assert kept.memory.devices["gpu0"].peak_bytes > plan.memory.devices["gpu0"].peak_bytes
+
+
+# -- the cleanup rules on variants of the 27B graph --------------------------------------------------------------
+
+ROUND_TRIP = '''
+[[nodes]]
+id = "valid_back"
+op = "transfer"
+device = "targets"
+inputs = { x = "valid_tx.out" }
+
+[[nodes]]
+id = "valid_log"
+op = "output"
+device = "targets"
+inputs = { x = "valid_back.out" }
+'''
+
+
+def with_nodes(text: str, extra: str) -> str:
+    i = text.index("[train]")
+    return text[:i] + extra.lstrip("\n") + "\n" + text[i:]
+
+
+def test_transfer_round_trip_on_qwen27b_variant(qwen_text, request):
+    """valid sent to gpu7 and back to the targets for logging: the way back is removed."""
+    plan = plan_of(with_nodes(qwen_text, ROUND_TRIP), request.config.rootpath)
+    rt = [a for a in plan.applied if a.rule == "transfer_round_trip"]
+    assert [a.nodes for a in rt] == [("valid_back", "valid_tx")]
+    assert "valid_back" not in plan.typed.graph
+    assert str(plan.typed.graph["valid_log"].input("x")) == "anchors.valid"
+
+
+DUPLICATE = '''
+[[nodes]]
+id = "pos_tx2"
+op = "transfer"
+device = "gpu7"
+inputs = { x = "tokens.position_ids" }
+params = { queue = 7 }
+
+[[nodes]]
+id = "pos_log"
+op = "output"
+device = "gpu7"
+inputs = { x = "pos_tx2.out" }
+'''
+
+
+def test_merge_duplicates_on_qwen27b_variant(qwen_text, request):
+    """position_ids sent to gpu7 a second time (for logging): the second transfer and its queue go."""
+    plan = plan_of(with_nodes(qwen_text, DUPLICATE), request.config.rootpath)
+    merged = [a for a in plan.applied if a.rule == "merge_duplicates"]
+    assert [a.nodes for a in merged] == [("pos_tx2", "pos_tx")]
+    assert merged[0].saved_bytes["gpu7"] > 0
+    assert "pos_tx2" not in plan.typed.graph
+    assert str(plan.typed.graph["pos_log"].input("x")) == "pos_tx.out"
+
+
+# -- regressions found by the property tests ---------------------------------------------------------------------
+
+ANCHOR_GRAPH = '''
+[dims]
+seq = 64
+anchors = 4
+block = 4
+hidden = "target.hidden_size"
+
+[devices.a]
+torch = "cpu"
+capacity = "1 GiB"
+
+[devices.b]
+torch = "cpu"
+capacity = "1 GiB"
+
+[models.target]
+arch = "qwen3_5"
+dtype = "float32"
+config = { vocab_size = 128, hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 2, num_key_value_heads = 1, head_dim = 16, linear_num_key_heads = 1, linear_num_value_heads = 2, linear_key_head_dim = 16, linear_value_head_dim = 16, full_attention_interval = 2 }
+
+[[nodes]]
+id = "tokens"
+op = "token_input"
+device = "a"
+
+[[nodes]]
+id = "body"
+op = "body_forward"
+model = "target"
+device = "a"
+inputs = { input_ids = "tokens.input_ids", position_ids = "tokens.position_ids" }
+
+[[nodes]]
+id = "hidden_tx"
+op = "transfer"
+device = "b"
+inputs = { x = "body.hidden" }
+
+[[nodes]]
+id = "mask_tx"
+op = "transfer"
+device = "b"
+inputs = { x = "tokens.loss_mask" }
+
+[[nodes]]
+id = "pos_tx"
+op = "transfer"
+device = "b"
+inputs = { x = "tokens.position_ids" }
+
+[[nodes]]
+id = "anchors"
+op = "anchor_sample"
+device = "b"
+inputs = { loss_mask = "mask_tx.out", position_ids = "pos_tx.out" }
+
+[[nodes]]
+id = "block_index"
+op = "block_positions"
+device = "b"
+inputs = { anchors = "anchors.anchors" }
+
+[[nodes]]
+id = "norm"
+op = "norm"
+model = "target"
+device = "b"
+inputs = { x = "hidden_tx.out" }
+
+[[nodes]]
+id = "picked"
+op = "gather"
+device = "b"
+inputs = { x = "norm.out", index = "block_index.index" }
+
+[[nodes]]
+id = "result"
+op = "output"
+device = "b"
+inputs = { x = "picked.out" }
+
+[[nodes]]
+id = "anchors_out"
+op = "output"
+device = "b"
+inputs = { x = "anchors.anchors" }
+'''
+
+
+def test_random_anchors_are_sent_not_resampled():
+    """Anchors sampled on the receiving side: when the gather moves across the transfer, the block positions may
+    be recomputed on the sender, but the anchors themselves must be sent, not sampled a second time (a second
+    anchor_sample draws other anchors: the verifier rows would not be the drafter's)."""
+    graph, ctx = build(parse_graph(ANCHOR_GRAPH, "anchors.toml"))
+    plan = compile_typed(infer(graph, ctx))
+    g = plan.typed.graph
+    assert [n.id for n in g.nodes if n.op == "anchor_sample"] == ["anchors"]
+    gather = next(n for n in g.nodes if n.op == "gather")
+    assert gather.device == "a"                                        # the gather did move
+    index = g[gather.input("index").node]
+    assert index.op == "block_positions"
+    sent = g[index.input("anchors").node]
+    assert sent.op == "transfer" and str(sent.input("x")) == "anchors.anchors"
+
+
+def test_rewrite_keeps_the_replica_count():
+    """d0 -> group -> d0 round trip: the way back is removed, but not the (now unread) transfer to the group: that
+    would leave no node on the group, and every node on d0 would run once per step instead of once per replica
+    (found by test_a_same_outputs)."""
+    text = '''
+[dims]
+n = 4
+[devices.d0]
+torch = "cpu"
+capacity = "1 GiB"
+[devices.d1]
+torch = "cpu"
+capacity = "1 GiB"
+[groups]
+g = ["d0", "d1"]
+[[nodes]]
+id = "tokens"
+op = "token_input"
+device = "d0"
+params = { length = "n" }
+[[nodes]]
+id = "there"
+op = "transfer"
+device = "g"
+inputs = { x = "tokens.input_ids" }
+[[nodes]]
+id = "back"
+op = "transfer"
+device = "d0"
+inputs = { x = "there.out" }
+[[nodes]]
+id = "o"
+op = "output"
+device = "d0"
+inputs = { x = "back.out" }
+'''
+    graph, ctx = build(parse_graph(text, "replicas.toml"))
+    plan = compile_typed(infer(graph, ctx))
+    assert [a.rule for a in plan.applied] == ["transfer_round_trip"]         # the way back goes ...
+    assert "there" in plan.typed.graph                                       # ... the node on the group stays
+    assert str(plan.typed.graph["o"].input("x")) == "tokens.input_ids"
+
+
+def test_passes_run_to_a_joint_fixpoint():
+    """merge_duplicates (cleanup) can leave a position-wise node with one reader, which push_selections then moves a
+    gather through: the driver runs the passes again until none applies (found by test_d_idempotent)."""
+    from strategies import RAND_INPUT
+
+    text = '''
+[dims]
+n0 = 1
+hidden = "target.hidden_size"
+[devices.d0]
+torch = "cpu"
+capacity = "1 GiB"
+[models.target]
+arch = "qwen3_5"
+dtype = "float64"
+config = { vocab_size = 3, hidden_size = 8, intermediate_size = 8, num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 1, head_dim = 4, linear_num_key_heads = 1, linear_num_value_heads = 1, linear_key_head_dim = 4, linear_value_head_dim = 4, full_attention_interval = 1 }
+[[nodes]]
+id = "src0"
+op = "rand_input"
+device = "d0"
+params = { rank = 2, d0 = "hidden", d1 = "hidden" }
+[[nodes]]
+id = "head1"
+op = "lm_head"
+device = "d0"
+model = "target"
+inputs = { x = "src0.out" }
+[[nodes]]
+id = "idx2"
+op = "rand_input"
+device = "d0"
+params = { rank = 1, d0 = "hidden", dtype = "int64", values = [0, 0, 0, 0, 0, 0, 0, 0] }
+[[nodes]]
+id = "gather4"
+op = "gather"
+device = "d0"
+inputs = { x = "head1.logits", index = "idx2.out" }
+[[nodes]]
+id = "cat5"
+op = "concat"
+device = "d0"
+inputs = ["gather4.out", "src0.out"]
+[[nodes]]
+id = "cat6"
+op = "concat"
+device = "d0"
+inputs = ["cat5.out", "gather4.out"]
+[[nodes]]
+id = "idx7"
+op = "rand_input"
+device = "d0"
+params = { rank = 1, d0 = 1, dtype = "int64", values = [0] }
+[[nodes]]
+id = "gather8"
+op = "gather"
+device = "d0"
+inputs = { x = "cat6.out", index = "idx7.out" }
+[[nodes]]
+id = "out9"
+op = "output"
+device = "d0"
+inputs = { x = "gather8.out" }
+'''
+    with registry.registered(RAND_INPUT):
+        graph, ctx = build(parse_graph(text, "fixpoint.toml"))
+        plan = compile_typed(infer(graph, ctx))
+        rules = [a.rule for a in plan.applied]
+        assert "merge_duplicates" in rules
+        assert rules.index("merge_duplicates") < len(rules) - 1 and rules[-1] == "gather_through_positionwise"
+        again = compile_typed(plan.typed)
+        assert again.applied == ()
+
+
+def test_every_rule_has_a_doc_page(request):
+    docs = request.config.rootpath / "docs" / "rules"
+    index = (docs / "README.md").read_text()
+    for name, rule in ALL_RULES.items():
+        page = docs / f"{name}.md"
+        assert page.exists(), f"docs/rules/{name}.md is missing"
+        body = page.read_text()
+        assert rule.trait in body, f"docs/rules/{name}.md does not name the trait {rule.trait}"
+        assert f"({name}.md)" in index, f"docs/rules/README.md does not link {name}.md"
+    for pass_name, _ in DEFAULT_TABLES:
+        assert f"`{pass_name}`" in index
