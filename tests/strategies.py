@@ -359,8 +359,10 @@ ACTIONS = ("source", "gather", "gather", "roll", "roll", "transfer", "norm", "lm
 
 
 @st.composite
-def graphs(draw, extra_ops: tuple[str, ...] = (), max_steps: int = 8, groups: bool = True) -> GraphCase:
-    """A random valid graph. `extra_ops`: test-only ops to use as well (currently "test_scale")."""
+def graphs(draw, extra_ops: tuple[str, ...] = (), max_steps: int = 8, groups: bool = True,
+           torch_device: str = "cpu") -> GraphCase:
+    """A random valid graph. `extra_ops`: test-only ops to use as well (currently "test_scale"). `torch_device`
+    "cuda" declares the devices as cuda:N (for the memory model's caching-allocator replay; not executable)."""
     hidden = draw(st.sampled_from([4, 8]))
     vocab = draw(st.sampled_from([3, 9, 24]))
     n_dims = draw(st.integers(1, 3))
@@ -416,7 +418,8 @@ def graphs(draw, extra_ops: tuple[str, ...] = (), max_steps: int = 8, groups: bo
     text = "[graph]\nname = \"random\"\n\n[dims]\n"
     text += "".join(f"{k} = {toml_value(v)}\n" for k, v in text_dims.items())
     text += 'hidden = "target.hidden_size"\nvocab = "target.vocab_size"\n\n'
-    text += "".join(f'[devices.{d}]\ntorch = "cpu"\ncapacity = "1 GiB"\n\n' for d in devices)
+    torch_of = (lambda i: "cpu") if torch_device == "cpu" else (lambda i: f"cuda:{i}")
+    text += "".join(f'[devices.{d}]\ntorch = "{torch_of(i)}"\ncapacity = "1 GiB"\n\n' for i, d in enumerate(devices))
     text += group_toml + _model_toml(hidden, vocab) + "\n"
     text += "\n".join(_node_toml(n) for n in b.nodes)
     return GraphCase(text, len(b.nodes), frozenset(n["op"] for n in b.nodes))

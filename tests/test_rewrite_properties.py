@@ -22,7 +22,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from dflash_graph.analysis.infer import Typed, build, infer
 from dflash_graph.analysis.memory import analyze_memory, live_peaks
@@ -62,7 +61,7 @@ def rewritten(typed: Typed):
 
 
 def results_of(typed: Typed) -> list:
-    """(sink id, replica, result type) for each `output` sink: what the graph computes."""
+    """(sink id, type of what it reads) for each sink: the types of what the graph computes."""
     out = []
     for n in typed.graph.nodes:
         if registry.get(n.op).traits.sink:
@@ -150,6 +149,78 @@ def test_c_peak_never_rises(case: GraphCase):
         for d in mb.devices:
             assert ma.devices[d].peak_bytes <= mb.devices[d].peak_bytes, d
             assert ma.devices[d].live_peak_bytes <= mb.devices[d].live_peak_bytes, d
+
+
+CUDA_ROUNDING = """
+[dims]
+n0 = 1
+hidden = "target.hidden_size"
+[devices.d0]
+torch = "cuda:0"
+capacity = "1 GiB"
+[models.target]
+arch = "qwen3_5"
+dtype = "float64"
+config = { vocab_size = 3, hidden_size = 4, intermediate_size = 8, num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 1, head_dim = 4, linear_num_key_heads = 1, linear_num_value_heads = 1, linear_key_head_dim = 4, linear_value_head_dim = 4, full_attention_interval = 1 }
+[[nodes]]
+id = "src0"
+op = "rand_input"
+device = "d0"
+params = { rank = 1, d0 = "hidden" }
+[[nodes]]
+id = "idx1"
+op = "rand_input"
+device = "d0"
+params = { rank = 1, d0 = "n0", dtype = "int64", values = [0] }
+[[nodes]]
+id = "blk2"
+op = "block_positions"
+device = "d0"
+inputs = { anchors = "idx1.out" }
+params = { block = "hidden" }
+[[nodes]]
+id = "gather3"
+op = "gather"
+device = "d0"
+inputs = { x = "src0.out", index = "blk2.index" }
+[[nodes]]
+id = "roll4"
+op = "roll"
+device = "d0"
+inputs = { x = "gather3.out" }
+params = { shift = 0, axis = 0 }
+[[nodes]]
+id = "cat5"
+op = "concat"
+device = "d0"
+inputs = ["roll4.out", "gather3.out"]
+[[nodes]]
+id = "idx6"
+op = "rand_input"
+device = "d0"
+params = { rank = 1, d0 = 1, dtype = "int64", values = [0] }
+[[nodes]]
+id = "gather7"
+op = "gather"
+device = "d0"
+inputs = { x = "cat5.out", index = "idx6.out" }
+[[nodes]]
+id = "out8"
+op = "output"
+device = "d0"
+inputs = { x = "gather7.out" }
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="the driver's guard is live_peaks (unrounded bytes); on a CUDA device the "
+                   "caching allocator rounds every block to 512 B, so three small tensors (1,536 B) can become four "
+                   "(2,048 B) while live bytes fall. Found by property c with cuda:N devices: 1 device in ~600.")
+def test_c_allocated_peak_on_cuda_rounds_up():
+    with test_ops():
+        typed = typed_of(CUDA_ROUNDING)
+        new, applied = rewritten(typed)
+        assert live_peaks(new)[0]["d0"] < live_peaks(typed)[0]["d0"]
+        assert analyze_memory(new).devices["d0"].peak_bytes <= analyze_memory(typed).devices["d0"].peak_bytes
 
 
 @given(graphs())

@@ -69,6 +69,7 @@ class Interpreter:
         self.sinks = [n.id for n in self.order if registry.get(n.op).traits.sink]
         self.generator = torch.Generator().manual_seed(seed)
         self.tracker = LiveTracker() if track_memory else None
+        self._sched: list[tuple] | None = None
         self.params = {n.id: {k: (v[1] if isinstance(v, tuple) and k in typed.params[n.id].get("_dim_params", ()) else v)
                               for k, v in typed.params[n.id].items()} for n in self.order}
 
@@ -101,39 +102,51 @@ class Interpreter:
                         self.tracker.adopt(p, dev, charge=key not in seen)
                         seen.add(key)
 
+    def _schedule(self) -> list[tuple]:
+        """Per node, everything run_replica needs, computed once: the engine's per-node cost stays small."""
+        sched = []
+        for n in self.order:
+            op = registry.get(n.op)
+            wanted = frozenset(k for k in self.typed.outputs_of(n.id)
+                               if self.typed.graph.consumers(Ref(n.id, k)) or op.traits.sink)
+            frees = tuple(ref for _, ref in n.inputs if self.last_use.get(ref) == n.id)
+            devices = [self.device_of(n, r) for r in range(self.replicas)]
+            tdevs = [torch.device(self.torch_device[d]) for d in devices]
+            sched.append((n, self.impls[n.id], self.params[n.id], wanted, frees, devices, tdevs,
+                          n.id in self.grads, n.id in self.sinks, op))
+        return sched
+
     def run_replica(self, r: int, batch_fn, keep: frozenset[Ref] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
         """Forward of the whole graph for replica index r; returns the sink nodes' outputs (and, under their
         node ids, any outputs named in `keep`, which are then not freed after their last use)."""
         env: dict[Ref, torch.Tensor] = {}
         results: dict[str, dict[str, torch.Tensor]] = {}
         tr = self.tracker
-        for n in self.order:
-            dev = self.device_of(n, r)
-            tdev = torch.device(self.torch_device[dev])
-            params = self.params[n.id]
-            wanted = frozenset(k for k in self.typed.outputs_of(n.id)
-                               if self.typed.graph.consumers(Ref(n.id, k)) or registry.get(n.op).traits.sink)
+        if self._sched is None:
+            self._sched = self._schedule()
+        for n, impl, params, wanted, frees, devices, tdevs, grad, sink, op in self._sched:
+            dev, tdev = devices[r], tdevs[r]
             ctx = ExecContext(n, params, tdev, dev, r, wanted, self.generator, self.store, batch_fn)
             inputs = {p: env[ref] for p, ref in n.inputs}
             if tr is not None:
                 tr.charge(dev, n.id)
-            with torch.set_grad_enabled(n.id in self.grads):
-                outs = self.impls[n.id](ctx, **inputs)
+            with torch.set_grad_enabled(grad):
+                outs = impl(ctx, **inputs)
             if self.strict:
-                check_node(registry.get(n.op), n.id, self.typed.params[n.id], {**inputs, **outs},
+                check_node(op, n.id, self.typed.params[n.id], {**inputs, **outs},
                            {**self.typed.inputs_of(n.id), **self.typed.outputs_of(n.id)}, str(tdev), len(n.inputs))
             for k, v in outs.items():
                 if k in wanted:
                     env[Ref(n.id, k)] = v
-            if n.id in self.sinks:
+            if sink:
                 results[n.id] = outs
-            for k, v in outs.items():
-                if Ref(n.id, k) in keep:
-                    results.setdefault(n.id, {})[k] = v
+            if keep:
+                for k, v in outs.items():
+                    if Ref(n.id, k) in keep:
+                        results.setdefault(n.id, {})[k] = v
             del outs, inputs
-            for _, ref in n.inputs:
-                if self.last_use.get(ref) == n.id:
-                    env.pop(ref, None)
+            for ref in frees:
+                env.pop(ref, None)
         if tr is not None:
             tr.charge(self._backward_device(r), "backward")
         return results

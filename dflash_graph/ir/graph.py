@@ -10,7 +10,7 @@ import attrs
 import networkx as nx
 
 
-@attrs.frozen(order=True)
+@attrs.frozen(order=True, cache_hash=True)
 class Ref:
     node: str
     output: str

@@ -5,6 +5,7 @@ Each function takes an `ExecContext` and the node's inputs by port name and retu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -99,18 +100,28 @@ def output(c, x):
     return {}
 
 
-def slot_weights(block: int, gamma: float, device) -> Tensor:
-    """Slot k of a block predicts token p+k; weight exp(-(k-1)/gamma) for k >= 1, slot 0 (the anchor) masked."""
+@functools.lru_cache(maxsize=16)
+def _slot_weights(block: int, gamma: float, device: str) -> Tensor:
     k = torch.arange(block, device=device, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
 
 
+def slot_weights(block: int, gamma: float, device) -> Tensor:
+    """Slot k of a block predicts token p+k; weight exp(-(k-1)/gamma) for k >= 1, slot 0 (the anchor) masked."""
+    return _slot_weights(block, float(gamma), str(device))
+
+
+def _up(x: Tensor) -> Tensor:
+    """At least float32 (bf16/fp16 logits are upcast; float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _chunk_loss(kind: str, s: Tensor, t: Tensor) -> Tensor:
     """Per-row divergence of student logits `s` from target logits `t`, [rows, V] -> [rows], in fp32."""
-    ls = F.log_softmax(s.float(), dim=-1)
-    lt = F.log_softmax(t.float(), dim=-1)
+    ls = F.log_softmax(_up(s), dim=-1)
+    lt = F.log_softmax(_up(t), dim=-1)
     if kind == "ce":   # cross-entropy on the verifier's argmax
         return -ls.gather(-1, lt.argmax(-1, keepdim=True)).squeeze(-1)
     if kind == "kl":   # KL(p_t || p_s)
@@ -125,6 +136,30 @@ def _chunk_loss(kind: str, s: Tensor, t: Tensor) -> Tensor:
     raise ValueError(kind)
 
 
+class _ChunkDivergence(torch.autograd.Function):
+    """KL(p_t || p_s) or cross-entropy on the target's argmax for one chunk of rows, with a closed-form backward:
+    d/ds = p_s - q (q = p_t for KL, one-hot(argmax t) for CE). Saves only its inputs, like checkpointing would,
+    without recomputing the forward in backward."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, t: Tensor, kind: str) -> Tensor:
+        ctx.save_for_backward(s, t)
+        ctx.kind = kind
+        with torch.no_grad():
+            return _chunk_loss(kind, s, t)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        s, t = ctx.saved_tensors
+        ps = torch.softmax(_up(s), dim=-1)
+        if ctx.kind == "kl":
+            ps.sub_(torch.softmax(_up(t), dim=-1))
+        else:
+            ps.scatter_add_(-1, t.argmax(-1, keepdim=True),
+                            torch.full((ps.shape[0], 1), -1.0, device=ps.device, dtype=ps.dtype))
+        return (ps.mul_(g[:, None])).to(s.dtype), None, None
+
+
 def loss(c, logits, target, valid):
     """Decayed per-slot loss over valid anchors, computed `chunk` rows at a time; each chunk is recomputed in
     backward (torch.utils.checkpoint), so only one chunk's [chunk, vocab] fp32 temporaries ever exist."""
@@ -137,7 +172,10 @@ def loss(c, logits, target, valid):
     for i in range(0, a * b, chunk):
         si, ti = s2[i:i + chunk], t2[i:i + chunk]
         if torch.is_grad_enabled() and si.requires_grad:
-            per_row.append(checkpoint(_chunk_loss, kind, si, ti, use_reentrant=False))
+            if kind in ("kl", "ce"):
+                per_row.append(_ChunkDivergence.apply(si, ti, kind))
+            else:
+                per_row.append(checkpoint(_chunk_loss, kind, si, ti, use_reentrant=False))
         else:
             per_row.append(_chunk_loss(kind, si, ti))
         with torch.no_grad():   # per chunk: an argmax over bf16 on CPU upcasts its whole input
