@@ -212,14 +212,14 @@ inputs = { x = "gather7.out" }
 """
 
 
-@pytest.mark.xfail(strict=True, reason="the driver's guard is live_peaks (unrounded bytes); on a CUDA device the "
-                   "caching allocator rounds every block to 512 B, so three small tensors (1,536 B) can become four "
-                   "(2,048 B) while live bytes fall. Found by property c with cuda:N devices: 1 device in ~600.")
 def test_c_allocated_peak_on_cuda_rounds_up():
+    """Found by property c with cuda:N devices (1 device in ~600): three small tensors (1,536 B) became four
+    (2,048 B after the allocator's 512 B rounding) while live bytes fell. The driver's guard now rounds like the
+    allocator on CUDA devices, so the rewrite is not taken."""
     with test_ops():
         typed = typed_of(CUDA_ROUNDING)
         new, applied = rewritten(typed)
-        assert live_peaks(new)[0]["d0"] < live_peaks(typed)[0]["d0"]
+        assert live_peaks(new)[0]["d0"] <= live_peaks(typed)[0]["d0"]
         assert analyze_memory(new).devices["d0"].peak_bytes <= analyze_memory(typed).devices["d0"].peak_bytes
 
 

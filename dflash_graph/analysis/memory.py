@@ -34,7 +34,7 @@ from ..models.registry import ARCHS
 from ..ops import registry
 from ..ops.costs import CostContext, NodeCost
 from ..units import DTYPE_BYTES, fmt_bytes
-from .allocator import AllocatorConfig, Event, simulate
+from .allocator import AllocatorConfig, Event, round_size, simulate
 from .infer import Typed
 
 STEPS_SIMULATED = 2
@@ -440,12 +440,16 @@ def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:
             flops[d] = flops.get(d, 0) + f
     peaks = {}
     for name in typed.ctx.spec.devices:
-        key = ("live_peak", _signature(typed, name))
+        cuda = typed.ctx.spec.devices[name].torch.startswith("cuda")
+        key = ("live_peak", _signature(typed, name), cuda)
         if key not in typed.cache:
             events, _ = device_events(typed, name, steps=1)
             live = peak = 0
             for ev in events:
-                live += ev.size if ev.op == "alloc" else -ev.size
+                # on CUDA every block is rounded (allocator.round_size): a rewrite that saves bytes but adds a
+                # tensor can still raise the rounded total
+                size = round_size(ev.size) if cuda and ev.size else ev.size
+                live += size if ev.op == "alloc" else -size
                 peak = max(peak, live)
             typed.cache[key] = peak
         peaks[name] = typed.cache[key]

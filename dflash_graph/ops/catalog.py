@@ -130,7 +130,7 @@ register(OpDef(
     params=(Param("count", "dim", "Anchors per sequence (max_anchors).", default="anchors"),
             Param("block", "dim", "Block size.", default="block")),
     bind=lambda c: {"anchors": c.params["count"]},
-    traits=Traits(pure=True),
+    traits=Traits(pure=True, deterministic=False),   # draws from the run's generator: a copy samples others
     cost=costs.no_workspace,
     impl=f"{IMPL}:anchor_sample",
 ))

@@ -70,6 +70,7 @@ class Traits:
     selection: Selection | None = None
     movement: bool = False        # copies its input to another device unchanged (transfer)
     pure: bool = True             # no side effects: removable when no output is read
+    deterministic: bool = True    # same inputs and params, same outputs: may be merged with a twin or recomputed
     sink: bool = False            # a graph result (loss): never removed
     # builds the equivalent subgraph: (node, graph) -> list of replacement nodes; outputs keep their names
     decompose: Callable | None = None

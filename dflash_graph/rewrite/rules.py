@@ -18,12 +18,10 @@ def _op(node: Node):
 
 def _deterministic(node: Node) -> bool:
     """Same inputs and params, same outputs: the node may be merged with a twin (merge_duplicates) or recomputed
-    on another device (_index_on). NOTE [Deterministic]: anchor_sample is declared pure (removable when unread)
-    but draws from the run's random generator, so a second copy samples other anchors. Traits has no flag for
-    this yet; until it does (`Traits.deterministic`, ops/contract.py), anchor_sample is the one pure op known
-    not to be deterministic, and this is the one place that knows it."""
-    op = _op(node)
-    return op.traits.pure and not op.traits.sink and op.name != "anchor_sample"
+    on another device (_index_on). Declared by the op: Traits.pure and Traits.deterministic (anchor_sample is
+    pure, removable when unread, but draws from the run's generator: a second copy samples other anchors)."""
+    t = _op(node).traits
+    return t.pure and t.deterministic and not t.sink
 
 
 def _sole_consumer(typed: Typed, ref: Ref, nid: str) -> bool:

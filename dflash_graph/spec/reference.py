@@ -66,7 +66,8 @@ def ops_reference() -> str:
                   f"index remap (shift `{t.remap.shift_param}`, axis `{t.remap.axis_param}`)" if t.remap else "",
                   "selection" if t.selection else "", "movement" if t.movement else "",
                   "decomposes" if t.decompose else "", "drops unread optional outputs" if t.drop_outputs else "",
-                  "sink (a result)" if t.sink else "", "" if t.pure else "has effects (never removed)"]
+                  "sink (a result)" if t.sink else "", "" if t.pure else "has effects (never removed)",
+                  "" if t.deterministic else "random (never merged or recomputed)"]
         traits = [x for x in traits if x]
         if traits:
             out.append("- traits: " + "; ".join(traits))
