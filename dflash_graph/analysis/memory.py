@@ -16,10 +16,12 @@ The allocated peak is the live bytes (torch.cuda.max_memory_allocated); the rese
 the same sequence through a model of PyTorch's caching allocator (analysis/allocator.py). The verdict compares
 what the allocator must reserve with the device's capacity less what lies outside the allocator.
 
-NOTE [Trainable memory]: a trainable model whose dtype is not float32 is trained the usual mixed-precision way:
-fp32 master weights (4 B/param), fp32 gradients (4 B), AdamW exp_avg and exp_avg_sq in fp32 (8 B), and the
-forward runs under autocast, whose cache holds a copy of each weight in the compute dtype from the forward to
-the end of backward (2 B/param for bf16). A float32 model has no autocast copies: 16 B/param in all.
+NOTE [Trainable memory]: a trainable model computes in its dtype: its weights and gradients are in that dtype.
+AdamW works on fp32: when the dtype is not float32 the trainer keeps fp32 master weights (4 B/param), turns the
+gradients into fp32 copies before the step (4 B, transient), and copies the updated masters back. AdamW's
+exp_avg and exp_avg_sq are fp32 (8 B) and its foreach step makes fp32 temporaries the size of the parameters
+(4 B, transient). bf16: 2 + 4 + 8 resident, 2 + 4 + 4 transient; fp32: 4 + 8 resident, 4 + 4 transient.
+(train/trainer.py implements exactly this.)
 """
 
 from __future__ import annotations
@@ -220,16 +222,21 @@ def _device_events(typed: Typed, device: str, steps: int) -> tuple[list[Event], 
     # load: weights (a model's decoder layers as one tensor block per layer), optimizer state, queue buffers
     weight_bytes = opt_bytes = 0
     trainable_params: dict[str, int] = {}
+    trainable_width: dict[str, int] = {}
     for owner, params in sorted(component_bytes(typed).get(device, {}).items()):
         mname, comp = owner.split(".")
         m = ctx.models[mname]
-        width = 4 if m.spec.trainable else DTYPE_BYTES[m.spec.dtype]
+        width = DTYPE_BYTES[m.spec.dtype]
         nblocks = getattr(m.dims, "num_hidden_layers", 1) if comp == "layers" else 1
         for b in range(nblocks):
             seq.alloc(("w", owner, b), params * width // nblocks, f"load/weights {owner}")
         weight_bytes += params * width
         if m.spec.trainable:
             trainable_params[owner] = params
+            trainable_width[owner] = width
+            if width != 4:
+                seq.alloc(("master", owner), params * 4, f"load/fp32 master weights {owner}")
+                opt_bytes += params * 4
             for k in ("exp_avg", "exp_avg_sq"):
                 seq.alloc(("opt", owner, k), params * 4, f"load/AdamW {k} {owner}")
                 opt_bytes += params * 4
@@ -238,7 +245,7 @@ def _device_events(typed: Typed, device: str, steps: int) -> tuple[list[Event], 
         if op.traits.movement and n.device == device or (op.traits.movement and device in ctx.devices_of(n.device)):
             q = int(typed.params[n.id].get("queue", 1))
             for k in range(max(q - 1, 0)):
-                seq.alloc(("queue", n.id, k), typed.types[Ref(n.id, "out")].nbytes, f"{n.id}/queue buffer {k + 1}")
+                seq.alloc(("queue", n.id, k), typed.types[Ref(n.id, "out")].nbytes, f"load/{n.id} queue buffer {k + 1}")
     # A device that hosts nodes of its own (not only a group's) runs them once per replica of the widest group:
     # the drafter device trains on each target's batch in turn, and gradients accumulate across them.
     replicas = max((len(ctx.devices_of(n.device)) for n in g.nodes), default=1)
@@ -252,19 +259,11 @@ def _device_events(typed: Typed, device: str, steps: int) -> tuple[list[Event], 
         for it in range(iters):
             left = dict(consumers_left_init)
             saved_refs: dict[Ref, int] = {}     # ref -> backward nodes still holding it
-            autocast: list[str] = []
             for n in g.nodes:
                 here = n.id in on_ids
                 cost = costs.get(n.id, NodeCost())
                 if here:
                     label = n.id
-                    if n.id in grads and n.model:
-                        m = ctx.models[n.model]
-                        if m.spec.trainable and m.spec.dtype != "float32":
-                            for owner, params in trainable_params.items():
-                                if owner.startswith(n.model + ".") and not seq.live(("autocast", owner)):
-                                    seq.alloc(("autocast", owner), params * DTYPE_BYTES[m.spec.dtype], f"{n.id}/autocast weight copy")
-                                    autocast.append(owner)
                     outs = typed.outputs_of(n.id)
                     program = cost.program
                     if program is None:
@@ -301,7 +300,8 @@ def _device_events(typed: Typed, device: str, steps: int) -> tuple[list[Event], 
                 if n.model:
                     for owner in trainable_params:
                         if owner.startswith(n.model + ".") and not seq.live(("grad", owner)):
-                            seq.alloc(("grad", owner), trainable_params[owner] * 4, f"{label} weight grad {owner}")
+                            seq.alloc(("grad", owner), trainable_params[owner] * trainable_width[owner],
+                                  f"{label} weight grad {owner}")
                 if cost.workspace_bytes:
                     seq.alloc((n.id, "bwd_ws"), cost.workspace_bytes, f"{label} workspace")
                 for port, r in n.inputs:
@@ -323,8 +323,6 @@ def _device_events(typed: Typed, device: str, steps: int) -> tuple[list[Event], 
                                 seq.free(r, f"{label} releases saved {r}")
             for r in list(grad_of):
                 seq.free(("dgrad", r), "backward done")
-            for owner in autocast:
-                seq.free(("autocast", owner), "autocast cache cleared")
             for r, _ in list(saved_refs.items()):
                 seq.free(r, "backward done")
             # the loss value is kept for logging until the next step
@@ -334,10 +332,15 @@ def _device_events(typed: Typed, device: str, steps: int) -> tuple[list[Event], 
                         seq.free(Ref(n.id, k), f"step {step} done")
         if trainable_params:
             total = sum(trainable_params.values()) * 4
-            seq.alloc(("optim", step), total, "optimizer.step foreach temporaries")
-            seq.free(("optim", step), "optimizer.step")
+            for owner, params in trainable_params.items():
+                if trainable_width[owner] != 4:   # grads to fp32 for the masters, then the low-precision grads go
+                    seq.alloc(("grad32", owner), params * 4, "optimizer/fp32 grads")
+                    seq.free(("grad", owner), "optimizer/grads moved to fp32")
+            seq.alloc(("optim", step), total, "optimizer/foreach temporaries")
+            seq.free(("optim", step), "optimizer/step")
             for owner in trainable_params:
                 seq.free(("grad", owner), "zero_grad(set_to_none=True)")
+                seq.free(("grad32", owner), "zero_grad(set_to_none=True)")
     return seq.events, {"weights": weight_bytes, "optimizer": opt_bytes}
 
 

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from ..rewrite.pipeline import compile_graph
 from .check import render_memory, render_ooms, render_rewrites
+
+
+def _allocator_env(plan) -> None:
+    """Run under the allocator settings check assumed: [memory] becomes PYTORCH_CUDA_ALLOC_CONF (before torch
+    initialises CUDA). A setting already in the environment wins, and check is told so."""
+    mem = plan.typed.ctx.spec.memory
+    conf = []
+    if mem.expandable_segments:
+        conf.append("expandable_segments:True")
+    if mem.max_split_size:
+        conf.append(f"max_split_size_mb:{mem.max_split_size // 2**20}")
+    if conf and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf)
+    elif os.environ.get("PYTORCH_CUDA_ALLOC_CONF") and not conf:
+        print(f"note: PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']} is set, but the graph's "
+              "[memory] assumes the default allocator", file=sys.stderr)
 
 
 def cmd_run(args) -> int:
@@ -19,6 +36,7 @@ def cmd_run(args) -> int:
         if not args.force:
             print("refusing to run: check predicts an OOM (use --force to run anyway)", file=sys.stderr)
             return 1
+    _allocator_env(plan)
     from ..exec.devices import parse_device_map
     from ..train.trainer import RunOptions, Trainer
 

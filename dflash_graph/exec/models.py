@@ -85,9 +85,9 @@ class ModelStore:
             info = self.typed.ctx.models[model]
             embed = self.component(model, "embed", tdev)
             torch.manual_seed(self.seed + 1)
-            # NOTE [Trainable memory] (analysis/memory.py): trainable weights are fp32 masters; compute runs in
-            # the model dtype under autocast on CUDA.
-            d = DFlashDrafter(info.dims, embed, dtype=torch.float32).to(tdev)
+            # NOTE [Trainable memory] (analysis/memory.py): the module computes in the model dtype; the trainer
+            # keeps fp32 masters for AdamW when that dtype is not float32.
+            d = DFlashDrafter(info.dims, embed, dtype=DTYPES[info.spec.dtype]).to(tdev)
             d.train()
             self.drafters[model] = d
         return self.drafters[model]

@@ -152,7 +152,7 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
             if ev == "+h_out":
                 steps.append(("alloc", out_key, h))
             elif kind == "+":
-                alive[name] = f"{prefix}{name}"
+                alive[name] = f"{prefix}{name}#{len(steps)}"   # unique: a renamed tensor keeps its own key
                 steps.append(("alloc", alive[name], size))
             elif kind == "-":
                 steps.append(("free", alive.pop(name), 0))

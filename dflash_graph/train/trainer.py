@@ -63,7 +63,10 @@ class Trainer:
             raise GraphError(Problem("nothing to train: no node uses a trainable model", spec.loc("models"),
                                      hint="set trainable = true on the drafter model"))
         betas = tuple(self.cfg["betas"])
-        self.opt = torch.optim.AdamW(self.params, lr=float(self.cfg["lr"]), betas=betas,
+        # NOTE [Trainable memory] (analysis/memory.py): AdamW steps fp32 masters; a non-fp32 module gets its
+        # weights copied back after each step
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=float(self.cfg["lr"]), betas=betas,
                                      weight_decay=float(self.cfg["weight_decay"]))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(self.cfg["warmup_steps"]), self.steps))
         base = Path(spec.data.get("_base", "."))
@@ -78,7 +81,7 @@ class Trainer:
         self.start_step = 0
         if opts.resume is not None:
             state, ck = checkpoint.load(opts.resume)
-            checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator)
+            checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator, self.masters)
             self.data.load_state(state["data"])
             self.start_step = int(state["step"])
         self.tokens_per_step = seq * self.interp.replicas * int(self.cfg["grad_accum"])
@@ -105,10 +108,19 @@ class Trainer:
         tr = self.interp.tracker
         if tr is not None:
             tr.charge(self.interp._backward_device(0), "optimizer")
-        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, float(self.cfg["grad_clip"])))
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.masters, float(self.cfg["grad_clip"])))
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                if m is not p:
+                    p.copy_(m)
+                    p.grad = None
         acc = torch.stack(accs).mean(0)
         return {"loss": sum(losses) / len(losses), "slot_acc": [round(float(a), 4) for a in acc.tolist()],
                 "grad_norm": gnorm, "lr": self.sched.get_last_lr()[0]}
@@ -173,7 +185,7 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         checkpoint.save(self.opts.out, step, self.store.drafters, self.opt, self.sched, self.data.state(),
-                        self.interp.generator, {"graph": self.plan.typed.ctx.spec.name})
+                        self.interp.generator, {"graph": self.plan.typed.ctx.spec.name}, self.masters)
 
     def _memory_now(self) -> dict[str, int]:
         tr = self.interp.tracker
@@ -213,6 +225,11 @@ class Trainer:
                 rec["measured_peak_bytes"] = int(torch.cuda.max_memory_allocated(tdev))
                 rec["predicted_reserved_bytes"] = d.reserved_peak_bytes
                 rec["measured_reserved_bytes"] = int(torch.cuda.max_memory_reserved(tdev))
+                free, total = torch.cuda.mem_get_info(tdev)
+                rec["assumed_outside_allocator_bytes"] = d.capacity_bytes - d.usable_bytes
+                rec["measured_outside_allocator_bytes"] = int(total - free - torch.cuda.memory_reserved(tdev))
+                if rec["predicted_reserved_bytes"]:
+                    rec["reserved_ratio"] = round(rec["measured_reserved_bytes"] / rec["predicted_reserved_bytes"], 4)
             if rec.get("measured_peak_bytes"):
                 rec["ratio"] = round(rec["measured_peak_bytes"] / max(rec["predicted_peak_bytes"], 1), 4)
             out["devices"][name] = rec
