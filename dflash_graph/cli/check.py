@@ -101,12 +101,25 @@ def render_ooms(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _by_amount(per_device: dict[str, int]) -> str:
+    """'gpu0..gpu6 (7) 13.96 GiB, gpu7 3.28 GiB': devices with the same saving listed once."""
+    groups: dict[int, list[str]] = {}
+    for dev, b in per_device.items():
+        if b:
+            groups.setdefault(b, []).append(dev)
+    parts = []
+    for b, devs in groups.items():
+        who = f"{devs[0]}..{devs[-1]} ({len(devs)})" if len(devs) > 2 else ", ".join(devs)
+        parts.append(f"{who} {fmt_bytes(b)}")
+    return ", ".join(parts)
+
+
 def render_rewrites(plan: Plan) -> str:
     if not plan.applied:
         return "rewrites: none applied" if plan.rewritten else "rewrites: off (--no-rewrite)"
     lines = [f"rewrites: {len(plan.applied)} applied"]
     for a in plan.applied:
-        saved = ", ".join(f"{dev} {fmt_bytes(b)}" for dev, b in a.saved_bytes.items() if b) or "no peak change"
+        saved = _by_amount(a.saved_bytes) or "no peak change"
         lines.append(f"  {a.rule:<28} {', '.join(a.nodes):<44} peak saved: {saved}")
     return "\n".join(lines)
 

@@ -149,7 +149,7 @@ def _gather_through_positionwise(typed: Typed, node: Node) -> Replacement | None
             continue
         in_device = in_t.device
         index = _index_on(typed, idx_ref, in_device, add, node)
-        gid = _fresh(typed, add, f"{node.id}_{port}")
+        gid = _fresh(typed, add, f"{r.node}_rows")   # the rows of r that the selection keeps
         add.append(Node(gid, node.op, ((sel.source, r), (sel.index, index)), {**node.params, sel.axis_param: ispan[0] + k},
                         in_device, note=f"gather_through_positionwise: {node.id} moved before {prod.id}"))
         new_inputs.append((port, Ref(gid, "out")))
