@@ -66,3 +66,9 @@ def test_help_lists_commands(capsys):
     out = capsys.readouterr().out
     for cmd in ("check", "plan", "run"):
         assert cmd in out
+
+
+def test_unwritable_output_is_a_clean_error(in_repo, capsys):
+    assert main(["plan", "graphs/tiny.toml", "--emit", "/nonexistent/dir/out.toml"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent/dir/out.toml" in err and "Traceback" not in err

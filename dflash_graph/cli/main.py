@@ -82,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:   # the environment, not the graph: a path that cannot be read or written
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"error:{where}: {e.strerror or e}", file=sys.stderr)
+        return 2
     except Exception as e:  # a bug in dflash-graph, not in the graph: say so, and keep the traceback reachable
         import os
         import traceback
