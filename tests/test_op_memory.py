@@ -142,3 +142,111 @@ def test_verifier_path_measured(in_repo, rewrite, docs):
         # the body runs document by document; check cannot know document lengths and assumes one document per
         # sequence (the largest workspace): an upper bound
         assert measured <= predicted * 1.02, (measured, predicted)
+
+
+VERIFIER_ONLY = """
+[dims]
+seq = 1024
+anchors = 32
+block = 4
+hidden = "target.hidden_size"
+
+[devices.cpu]
+torch = "cpu"
+capacity = "2 GiB"
+
+[models.target]
+arch = "qwen3_5"
+dtype = "float64"
+config = { vocab_size = 3000, hidden_size = 64, intermediate_size = 128, num_hidden_layers = 2, num_attention_heads = 2, num_key_value_heads = 1, head_dim = 32, linear_num_key_heads = 1, linear_num_value_heads = 2, linear_key_head_dim = 32, linear_value_head_dim = 32, full_attention_interval = 2 }
+
+[[nodes]]
+id = "last_hidden"
+op = "rand_input"
+device = "cpu"
+params = { rank = 2, d0 = "seq", d1 = "hidden" }
+
+[[nodes]]
+id = "anchors"
+op = "rand_input"
+device = "cpu"
+params = { rank = 1, d0 = "anchors", dtype = "int64", high = 1000 }
+
+[[nodes]]
+id = "block_index"
+op = "block_positions"
+device = "cpu"
+inputs = { anchors = "anchors.out" }
+
+[[nodes]]
+id = "verifier_norm"
+op = "norm"
+model = "target"
+device = "cpu"
+inputs = { x = "last_hidden.out" }
+
+[[nodes]]
+id = "verifier_lm_head"
+op = "lm_head"
+model = "target"
+device = "cpu"
+inputs = { x = "verifier_norm.out" }
+
+[[nodes]]
+id = "verifier_roll"
+op = "roll"
+device = "cpu"
+inputs = { x = "verifier_lm_head.logits" }
+params = { shift = 1 }
+
+[[nodes]]
+id = "verifier_targets"
+op = "gather"
+device = "cpu"
+inputs = { x = "verifier_roll.out", index = "block_index.index" }
+
+[[nodes]]
+id = "result"
+op = "output"
+device = "cpu"
+inputs = { x = "verifier_targets.out" }
+"""
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_verifier_path_against_memtracker(rewrite):
+    """norm -> lm_head over every position -> roll -> gather (as written) and its rewrite (gather first): check's
+    predicted activation peak against torch's MemTracker over the interpreter, each module called once."""
+    from strategies import RAND_INPUT
+
+    from dflash_graph.analysis.infer import build, infer
+    from dflash_graph.analysis.memory import device_events
+    from dflash_graph.exec.interpreter import Interpreter
+    from dflash_graph.exec.models import ModelStore
+    from dflash_graph.ops.registry import registered
+    from dflash_graph.rewrite.pipeline import compile_typed
+    from dflash_graph.spec.loader import parse_graph
+
+    with registered(RAND_INPUT):
+        plan = compile_typed(infer(*build(parse_graph(VERIFIER_ONLY, "verifier_only.toml"))), rewrite)
+        assert any(a.rule == "gather_through_positionwise" for a in plan.applied) == rewrite
+        events, _ = device_events(plan.typed, "cpu", steps=1)
+        live = peak = loaded = 0
+        for ev in events:
+            live += ev.size if ev.op == "alloc" else -ev.size
+            if ev.label.startswith("load/"):
+                loaded = live
+            peak = max(peak, live)
+        predicted = peak - loaded
+        store = ModelStore(plan.typed, {"cpu": "cpu"})
+        store.preload()
+        interp = Interpreter(plan.typed, store, {"cpu": "cpu"}, track_memory=False)
+        target = store.full("target", "cpu").requires_grad_(True)   # MemTracker hooks parameter grads
+        mt = MemTracker()
+        mt.track_external(target)
+        with torch.no_grad(), mt:
+            interp.run_replica(0, lambda r: {})
+    snap = mt.get_tracker_snapshot("peak")
+    dev = next(iter(snap))
+    measured = snap[dev].get(_MemRefType.ACT, 0) + snap[dev].get(_MemRefType.TEMP, 0)
+    assert abs(measured - predicted) / predicted < 0.10, (measured, predicted)
