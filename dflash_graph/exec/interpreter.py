@@ -20,7 +20,7 @@ from ..analysis.memory import grad_nodes
 from ..ir.graph import Node, Ref
 from ..ops import registry
 from .contracts import check_node
-from .memtrack import LiveTracker
+from .memtrack import CudaMeter, LiveTracker
 from .models import ModelStore
 
 
@@ -48,6 +48,17 @@ class ExecContext:
         return y.clone() if y is x or y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else y
 
 
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+
+
 def _impl(op_name: str):
     mod, _, fn = registry.get(op_name).impl.partition(":")
     return getattr(importlib.import_module(mod), fn)
@@ -69,6 +80,8 @@ class Interpreter:
         self.sinks = [n.id for n in self.order if registry.get(n.op).traits.sink]
         self.generator = torch.Generator().manual_seed(seed)
         self.tracker = LiveTracker() if track_memory else None
+        cuda = any(str(t).startswith("cuda") for t in self.torch_device.values())
+        self.cuda_meter = CudaMeter() if cuda and track_memory else None
         self._sched: list[tuple] | None = None
         self.params = {n.id: {k: (v[1] if isinstance(v, tuple) and k in typed.params[n.id].get("_dim_params", ()) else v)
                               for k, v in typed.params[n.id].items()} for n in self.order}
@@ -130,7 +143,8 @@ class Interpreter:
             inputs = {p: env[ref] for p, ref in n.inputs}
             if tr is not None:
                 tr.charge(dev, n.id)
-            with torch.set_grad_enabled(grad):
+            meter = self.cuda_meter.window(dev, tdev, n.id) if self.cuda_meter and tdev.type == "cuda" else _NULL
+            with torch.set_grad_enabled(grad), meter:
                 outs = impl(ctx, **inputs)
             if self.strict:
                 check_node(op, n.id, self.typed.params[n.id], {**inputs, **outs},
@@ -150,6 +164,13 @@ class Interpreter:
         if tr is not None:
             tr.charge(self._backward_device(r), "backward")
         return results
+
+    def window(self, r: int, name: str):
+        """A measuring window on the trainable device (backward, optimizer step) when it is a CUDA device."""
+        dev = self._backward_device(r)
+        if self.cuda_meter is None or dev is None or not self.torch_device[dev].startswith("cuda"):
+            return _NULL
+        return self.cuda_meter.window(dev, torch.device(self.torch_device[dev]), name)
 
     def _backward_device(self, r: int) -> str | None:
         for n in reversed(self.order):

@@ -75,3 +75,30 @@ class LiveTracker(TorchDispatchMode):
         for d in list(self.peak):
             self.peak[d] = self.live[d]
         self.node_peak.clear()
+
+
+class CudaMeter:
+    """Per-node peaks on CUDA devices: the allocator's peak statistics are reset before each window (a node's run,
+    a backward, an optimizer step) and read after it. A device's peak is the largest of its windows."""
+
+    def __init__(self):
+        self.node_peak: dict[str, tuple[int, int]] = {}
+        self.device_peak: dict[str, tuple[int, int]] = {}
+
+    def window(self, device: str, torch_device: torch.device, name: str):
+        meter = self
+
+        class _Window:
+            def __enter__(self):
+                torch.cuda.reset_peak_memory_stats(torch_device)
+
+            def __exit__(self, *exc):
+                a = torch.cuda.max_memory_allocated(torch_device)
+                r = torch.cuda.max_memory_reserved(torch_device)
+                pa, pr = meter.node_peak.get(name, (0, 0))
+                meter.node_peak[name] = (max(pa, a), max(pr, r))
+                da, dr = meter.device_peak.get(device, (0, 0))
+                meter.device_peak[device] = (max(da, a), max(dr, r))
+                return False
+
+        return _Window()

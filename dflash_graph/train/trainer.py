@@ -101,7 +101,8 @@ class Trainer:
             for r in range(R):
                 res = self.interp.run_replica(r, lambda rr: batches[rr])
                 out = res[self.loss_node]
-                (out["loss"] / (R * accum)).backward()
+                with self.interp.window(r, "backward"):
+                    (out["loss"] / (R * accum)).backward()
                 losses.append(float(out["loss"].detach()))
                 accs.append(out["slot_acc"].detach().float().cpu())
                 del res, out
@@ -113,7 +114,8 @@ class Trainer:
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.masters, float(self.cfg["grad_clip"])))
-        self.opt.step()
+        with self.interp.window(0, "optimizer"):
+            self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -191,6 +193,9 @@ class Trainer:
         tr = self.interp.tracker
         if tr is not None:
             return {d: int(tr.peak[d]) for d in self.plan.typed.ctx.spec.devices}
+        cm = self.interp.cuda_meter
+        if cm is not None:
+            return {d: int(cm.device_peak.get(d, (0, 0))[0]) for d, t in self.tdev.items() if t.startswith("cuda")}
         return {d: int(torch.cuda.max_memory_allocated(t)) for d, t in self.tdev.items() if t.startswith("cuda")}
 
     def _progress(self, rec: dict, t_start: float) -> None:
@@ -222,9 +227,10 @@ class Trainer:
             if tr is not None:
                 rec["measured_peak_bytes"] = int(tr.peak[name])
             elif tdev.startswith("cuda"):
-                rec["measured_peak_bytes"] = int(torch.cuda.max_memory_allocated(tdev))
+                peaks = self.interp.cuda_meter.device_peak.get(name) if self.interp.cuda_meter else None
+                rec["measured_peak_bytes"] = int(peaks[0] if peaks else torch.cuda.max_memory_allocated(tdev))
                 rec["predicted_reserved_bytes"] = d.reserved_peak_bytes
-                rec["measured_reserved_bytes"] = int(torch.cuda.max_memory_reserved(tdev))
+                rec["measured_reserved_bytes"] = int(peaks[1] if peaks else torch.cuda.max_memory_reserved(tdev))
                 free, total = torch.cuda.mem_get_info(tdev)
                 rec["assumed_outside_allocator_bytes"] = d.capacity_bytes - d.usable_bytes
                 rec["measured_outside_allocator_bytes"] = int(total - free - torch.cuda.memory_reserved(tdev))
@@ -239,4 +245,14 @@ class Trainer:
                     if node in tr.node_peak and node in self.plan.typed.graph:
                         out["nodes"].setdefault(node, {})[name] = {"predicted_peak_bytes": pred,
                                                                    "measured_peak_bytes": int(tr.node_peak[node])}
+        cm = self.interp.cuda_meter
+        if cm is not None:
+            # per node on CUDA: the allocator's own peaks in a window around the node (see exec/memtrack.py)
+            for name, d in mem.devices.items():
+                for node, pred in d.node_peaks.items():
+                    if node in cm.node_peak and node in self.plan.typed.graph:
+                        a, r = cm.node_peak[node]
+                        out["nodes"].setdefault(node, {})[name] = {"predicted_peak_bytes": pred,
+                                                                   "measured_peak_bytes": int(a),
+                                                                   "measured_reserved_bytes": int(r)}
         (self.opts.out / "memory.json").write_text(json.dumps(out, indent=2))
