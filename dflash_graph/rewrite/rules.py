@@ -218,7 +218,7 @@ def _cse(typed: Typed, node: Node) -> Replacement | None:
     return None
 
 
-CSE = Rule("merge_duplicates", "Traits.pure (deterministic)",
+CSE = Rule("merge_duplicates", "Traits.pure + Traits.deterministic",
            "Two pure, deterministic nodes with the same op, params, inputs and device compute the same value: "
            "keep the first.", _cse)
 
