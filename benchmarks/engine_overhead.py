@@ -73,12 +73,12 @@ class HandStep:
         interp, store, cfg = trainer.interp, trainer.store, trainer.cfg
         typed = trainer.plan.typed
         by_op = {n.op: n for n in typed.graph.nodes}
-        for op in ("token_input", "body_forward", "anchor_sample", "drafter_forward", "loss"):
+        for op in ("token_input", "body_forward", "hook_capture", "anchor_sample", "drafter_forward", "loss"):
             if op not in by_op:
                 raise SystemExit(f"engine_overhead: the plan of this graph has no '{op}' node; the hand-written step "
                                  f"mirrors graphs/tiny.toml's rewritten plan (see `dflash-graph plan`)")
         p_anchor, p_loss = interp.params[by_op["anchor_sample"].id], interp.params[by_op["loss"].id]
-        self.capture = [int(i) for i in interp.params[by_op["body_forward"].id]["capture"]]
+        self.capture = [int(i) for i in interp.params[by_op["hook_capture"].id]["layers"]]
         self.count, self.block = int(p_anchor["count"]), int(p_anchor["block"])
         self.kind, self.gamma = p_loss["kind"], float(p_loss["gamma"])
         self.seq = trainer._seq_len()

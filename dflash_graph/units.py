@@ -14,6 +14,7 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
     "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
+    "handle": 0,   # not a tensor: a forward's `taps`, through which hook_capture nodes ask for layer outputs
 }
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                  "float": "float32", "double": "float64", "fp64": "float64", "long": "int64"}

@@ -245,6 +245,20 @@ def _infer_node(node: Node, graph: Graph, ctx: GraphContext, types: Mapping[Ref,
                        expected=f"device {node.device}", actual=f"device {t.device} ({given[port]})",
                        hint=f"add a transfer node: {{ id = \"{producer}_to_{node.device}\", op = \"transfer\", "
                             f"inputs = {{ x = \"{given[port]}\" }}, device = \"{node.device}\" }}")
+    # a handle (a forward's taps) is read by a node of the same model, and a layer is hooked by one node only
+    for port in ports:
+        if port.dtype == "handle":
+            producer = graph[given[port.name].node]
+            if producer.model != node.model:
+                raise fail(f"input '{port.name}' reads the taps of '{producer.id}' (model '{producer.model}'), but "
+                           f"this node names model '{node.model}'", "model", expected=f"model {producer.model}",
+                           actual=f"model {node.model}", hint=f"set model = \"{producer.model}\"")
+            for other, _ in graph.consumers(given[port.name]):
+                if other != node.id and other in graph:
+                    both = set(p.get("layers", ())) & set(graph[other].params.get("layers", ()))
+                    if both and graph.nodes.index(graph[other]) < graph.nodes.index(node):
+                        raise fail(f"layer(s) {sorted(both)} of '{producer.id}' are already hooked by '{other}'",
+                                   "params", "layers", hint="hook each layer once and read it from there")
     # dtypes
     mdtype = model.spec.dtype if model else None
     for port in ports:
@@ -370,12 +384,14 @@ def _check_params(node: Node, op: OpDef, ctx: GraphContext, fail) -> dict[str, A
             v = (sym, val)
             dim_params.append(prm.name)
         out[prm.name] = v
-    if "capture" in out and node.model in ctx.models:
+    if "layers" in out and node.model in ctx.models:
         n_layers = getattr(ctx.models[node.model].dims, "num_hidden_layers", None)
-        for i in out["capture"]:
+        for i in out["layers"]:
             if n_layers is not None and not 0 <= i < n_layers:
-                raise fail(f"capture layer {i} does not exist: model '{node.model}' has layers 0..{n_layers - 1}",
-                           "params", "capture")
+                raise fail(f"layer {i} does not exist: model '{node.model}' has layers 0..{n_layers - 1}",
+                           "params", "layers")
+        if len(set(out["layers"])) != len(out["layers"]):
+            raise fail(f"layers {list(out['layers'])} lists a layer twice", "params", "layers")
     out["_dim_params"] = tuple(dim_params)
     return out
 

@@ -128,7 +128,21 @@ def node_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
         db = DTYPE_BYTES[model.spec.dtype]
     else:
         db = DTYPE_BYTES[next(iter(ins.values())).dtype] if ins else 4
-    return op.cost(CostContext(node, ins, outs, model.dims if model else None, db, grad))
+    taps = frozenset(hook_refs(typed, node.id)) if "taps" in outs else frozenset()
+    return op.cost(CostContext(node, ins, outs, model.dims if model else None, db, grad, taps))
+
+
+def hook_refs(typed: Typed, nid: str) -> dict[int, Ref]:
+    """For a forward node: each layer that hook_capture nodes ask for through its `taps`, and the output (of the
+    hook node) that owns it. A layer is captured by at most one hook node (checked by infer)."""
+    key = ("hooks", nid)
+    if key not in typed.cache:
+        out: dict[int, Ref] = {}
+        for hook_id, _ in typed.graph.consumers(Ref(nid, "taps")):
+            for i in typed.params[hook_id].get("layers", ()):
+                out.setdefault(int(i), Ref(hook_id, f"layer{i}"))
+        typed.cache[key] = out
+    return typed.cache[key]
 
 
 def _cached_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
@@ -225,11 +239,11 @@ def _compressed(program: tuple[tuple[str, str, int], ...]) -> tuple[tuple[str, s
         if kind == "alloc":
             sizes[key] = size
             live += size
-            outs += size if key.startswith("out:") else 0
+            outs += size if key.startswith(("out:", "tap:")) else 0
             peak = max(peak, live)
         elif key in sizes:
             live -= sizes.pop(key)
-    out_steps = tuple(st for st in program if st[0] == "alloc" and st[1].startswith("out:"))
+    out_steps = tuple(st for st in program if st[0] == "alloc" and st[1].startswith(("out:", "tap:")))
     extra = peak - outs
     return (("alloc", "peak", extra), *out_steps, ("free", "peak", 0))
 
@@ -295,8 +309,13 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
                                    *(("alloc", f"out:{k}", t.nbytes) for k, t in outs.items()), ("free", "ws", 0))
                     if cost.saved_bytes:
                         seq.alloc(("saved", n.id), cost.saved_bytes, f"{n.id}/saved for backward")
+                    taps = hook_refs(typed, n.id) if "taps" in outs else {}
                     for kind, key, size in program:
-                        if key.startswith("out:"):
+                        if key.startswith("tap:"):
+                            ref = taps[int(key[4:])]
+                            if kind == "alloc":
+                                seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)} (hooked by {ref.node})")
+                        elif key.startswith("out:"):
                             ref = Ref(n.id, key[4:])
                             if kind == "alloc" and ref in typed.types:
                                 seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)}")

@@ -125,7 +125,12 @@ class Interpreter:
             frees = tuple(ref for _, ref in n.inputs if self.last_use.get(ref) == n.id)
             devices = [self.device_of(n, r) for r in range(self.replicas)]
             tdevs = [torch.device(self.torch_device[d]) for d in devices]
-            sched.append((n, self.impls[n.id], self.params[n.id], wanted, frees, devices, tdevs,
+            params = self.params[n.id]
+            if "taps" in self.typed.outputs_of(n.id):
+                from ..analysis.memory import hook_refs
+
+                params = {**params, "_taps": sorted(hook_refs(self.typed, n.id))}
+            sched.append((n, self.impls[n.id], params, wanted, frees, devices, tdevs,
                           n.id in self.grads, n.id in self.sinks, op))
         return sched
 

@@ -13,18 +13,17 @@ from .registry import register
 IMPL = "dflash_graph.ops.torch_impl"
 
 
-def _layer_outputs(params: Mapping[str, Any]) -> tuple[Port, ...]:
+def _hook_outputs(params: Mapping[str, Any]) -> tuple[Port, ...]:
     return tuple(Port(f"layer{i}", "seq hidden", optional=True, doc=f"output of decoder layer {i} (hooked)")
-                 for i in params.get("capture", ()))
+                 for i in params.get("layers", ()))
 
 
 def _lm_bind(ctx: BindContext):
     return {"hidden": ctx.model_ref("hidden_size"), "vocab": ctx.model_ref("vocab_size")}
 
 
-def _drop_capture(params: Mapping[str, Any], dropped: frozenset[str]) -> Mapping[str, Any]:
-    keep = [i for i in params.get("capture", ()) if f"layer{i}" not in dropped]
-    return {**params, "capture": keep}
+def _drop_layers(params: Mapping[str, Any], dropped: frozenset[str]) -> Mapping[str, Any]:
+    return {**params, "layers": [i for i in params.get("layers", ()) if f"layer{i}" not in dropped]}
 
 
 def _decompose_causal_lm(node: Node, fresh) -> tuple[list[Node], dict[str, Ref]]:
@@ -38,10 +37,11 @@ def _decompose_causal_lm(node: Node, fresh) -> tuple[list[Node], dict[str, Ref]]
     return [body, norm, head], {"logits": Ref(head_id, "logits")}
 
 
-_FORWARD_PARAMS = (Param("capture", "list[int]", "Decoder layers whose outputs are captured with forward hooks "
-                         "(layer i = output of decoder layer i = HF hidden_states[i+1]).", default=[]),)
 _FORWARD_INPUTS = (Port("input_ids", "seq", "int64"), Port("position_ids", "seq", "int64",
                         doc="restart at 0 at each packed document"))
+_TAPS = Port("taps", "seq", "handle", optional=True,
+             doc="where hook_capture nodes attach: the layers they ask for are hooked during this forward")
+
 
 register(OpDef(
     name="token_input",
@@ -61,9 +61,8 @@ register(OpDef(
     doc="What `Qwen3_5ForCausalLM.forward()` does: the body, then the final norm and lm_head over every position, "
         "so it produces [seq, vocab] logits whether or not anyone reads them.",
     inputs=_FORWARD_INPUTS,
-    outputs=lambda p: (Port("hidden", "seq hidden", optional=True, doc="last decoder layer output, before the final norm"),
-                       Port("logits", "seq vocab", optional=True), *_layer_outputs(p)),
-    params=_FORWARD_PARAMS,
+    outputs=(Port("hidden", "seq hidden", optional=True, doc="last decoder layer output, before the final norm"),
+             Port("logits", "seq vocab", optional=True), _TAPS),
     model_arch=("qwen3_5",),
     components=("embed", "layers", "norm", "lm_head"),
     bind=_lm_bind,
@@ -76,15 +75,29 @@ register(OpDef(
     name="body_forward",
     doc="The transformer body only (`model.model(...)`): embedding and decoder layers, no lm_head.",
     inputs=_FORWARD_INPUTS,
-    outputs=lambda p: (Port("hidden", "seq hidden", optional=True, doc="last decoder layer output, before the final norm"),
-                       *_layer_outputs(p)),
-    params=_FORWARD_PARAMS,
+    outputs=(Port("hidden", "seq hidden", optional=True, doc="last decoder layer output, before the final norm"),
+             _TAPS),
     model_arch=("qwen3_5",),
     components=("embed", "layers", "norm"),   # Qwen3_5TextModel applies its final norm: its weight is resident
     bind=_lm_bind,
-    traits=Traits(drop_outputs=_drop_capture),
     cost=costs.body_forward,
     impl=f"{IMPL}:body_forward",
+))
+
+
+register(OpDef(
+    name="hook_capture",
+    doc="Capture the outputs of chosen decoder layers of a forward with forward hooks (layer i = output of "
+        "decoder layer i = HF hidden_states[i+1]). Reads the forward's `taps`; the hooks are registered before "
+        "that forward runs and its layer outputs are allocated while it runs, each at its layer.",
+    inputs=(Port("taps", "seq", "handle"),),
+    outputs=_hook_outputs,
+    params=(Param("layers", "list[int]", "Decoder layers to capture.", required=True),),
+    model_arch=("qwen3_5",),
+    bind=lambda c: {"hidden": c.model_ref("hidden_size")},
+    traits=Traits(drop_outputs=_drop_layers),
+    cost=costs.hook_capture,
+    impl=f"{IMPL}:hook_capture",
 ))
 
 

@@ -37,6 +37,7 @@ class CostContext:
     model_dims: Any            # the arch's Dims object, or None
     dtype_bytes: int           # the node's model dtype width (2 for bf16), or of its first input
     grad: bool                 # autograd records this node (it feeds a trainable model's loss)
+    taps: frozenset[int] = frozenset()   # a forward's layers that hook_capture nodes ask for
 
     def out_bytes(self) -> int:
         return sum(t.nbytes for t in self.outputs.values())
@@ -130,7 +131,7 @@ def _body_program(c: CostContext, ws: int, logits: bool) -> tuple[tuple[str, str
     """The body forward's allocations in order, layer by layer, from the replay in models/qwen3_5.py; hooked layer
     outputs are allocated where the layer makes them, between its temporaries, as on a GPU. A layer output no
     one captured is freed once the next layer has consumed it."""
-    captured = frozenset(int(k[5:]) for k in c.outputs if k.startswith("layer"))
+    captured = c.taps
     return _body_steps(c.model_dims, c.inputs["input_ids"].sizes[0], c.dtype_bytes, captured, "hidden" in c.outputs,
                        c.outputs["logits"].nbytes if logits else 0)
 
@@ -142,6 +143,7 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
     prologue, chunks, final = _layer_chunks(d, seq, dtype_bytes)
     last = d.num_hidden_layers - 1
     steps: list[tuple[str, str, int]] = [("alloc", "embeds", h)]
+    owned = ("out:", "tap:")
     alive: dict[str, str] = {}           # replay name -> program key
 
     def replay(events, prefix: str, out_key: str | None) -> None:
@@ -164,13 +166,13 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
     prev = "embeds"
     for i, t in enumerate(d.layer_types):
         if i in captured:
-            cur = f"out:layer{i}"
+            cur = f"tap:{i}"       # allocated here, owned by the hook_capture node that asked for it
         elif i == last and has_hidden:
             cur = "out:hidden"
         else:
             cur = f"l{i}.out"
         replay(chunks[(t, i > 0)], f"l{i}.", cur)
-        if not prev.startswith("out:"):
+        if not prev.startswith(owned):
             steps.append(("free", prev, 0))
         prev = cur
     # Qwen3_5TextModel.forward ends with the final norm: its temporaries and the normed [seq, hidden] state
@@ -180,7 +182,7 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
         steps.append(("alloc", "out:logits", logits_bytes))
     for key in list(alive.values()):
         steps.append(("free", key, 0))
-    if not prev.startswith("out:"):
+    if not prev.startswith(owned):
         steps.append(("free", prev, 0))
     del normed
     return tuple(steps)
@@ -201,6 +203,12 @@ def causal_lm_forward(c: CostContext) -> NodeCost:
     normed = seq * c.model_dims.hidden_size * c.dtype_bytes
     return NodeCost(workspace_bytes=max(ws, normed), flops=flops + qwen3_5.lm_head_flops(c.model_dims, seq),
                     program=_body_program(c, ws, logits=True))
+
+
+def hook_capture(c: CostContext) -> NodeCost:
+    # Nothing of its own: the layer outputs it names are allocated by the forward it reads, at their layers
+    # (the forward's program steps "tap:<i>", see _body_steps), and freed after their last reader.
+    return NodeCost(program=())
 
 
 def drafter_forward(c: CostContext) -> NodeCost:

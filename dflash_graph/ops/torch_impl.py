@@ -28,9 +28,9 @@ def _forward(c: "ExecContext", input_ids: Tensor, position_ids: Tensor, logits: 
     from ..models.nn.qwen3_5 import body_forward as run_body, final_norm, lm_head
 
     model = c.module("body")
-    capture = list(c.params.get("capture", ()))
+    capture = list(c.params.get("_taps", ()))   # the layers hook_capture nodes ask for (exec/interpreter.py)
     last, captured = run_body(model, input_ids, position_ids, capture)
-    out = {"hidden": last, **{f"layer{i}": t for i, t in captured.items()}}
+    out = {"hidden": last, "taps": captured}
     if logits:
         out["logits"] = lm_head(model)(final_norm(model)(last))
     return {k: v for k, v in out.items() if k in c.wanted}
@@ -42,6 +42,10 @@ def causal_lm_forward(c, input_ids, position_ids):
 
 def body_forward(c, input_ids, position_ids):
     return _forward(c, input_ids, position_ids, logits=False)
+
+
+def hook_capture(c, taps):
+    return {f"layer{i}": taps[i] for i in c.params["layers"]}
 
 
 def concat(c, **xs):
