@@ -7,7 +7,7 @@ from dflash_graph.analysis.infer import build, infer
 from dflash_graph.errors import GraphError
 from dflash_graph.ir.graph import Ref
 from dflash_graph.rewrite.pipeline import compile_graph, compile_typed
-from dflash_graph.spec.loader import load_graph, parse_graph
+from dflash_graph.spec.loader import parse_graph
 
 
 

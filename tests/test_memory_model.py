@@ -3,7 +3,7 @@ began: weights and training state only), shared components count once, and the v
 
 import pytest
 
-from dflash_graph.analysis.memory import analyze_memory, device_events
+from dflash_graph.analysis.memory import device_events
 from dflash_graph.rewrite.pipeline import compile_graph
 
 

@@ -20,7 +20,6 @@ from ..models.registry import ARCHS
 from ..ops import registry
 from ..ops.contract import BindContext, ContractError, OpDef, build as build_dims, dim_of, match
 from ..spec.document import GraphSpec, ModelSpec
-from ..units import DTYPE_BYTES
 
 
 @attrs.frozen
@@ -394,7 +393,3 @@ def _check_params(node: Node, op: OpDef, ctx: GraphContext, fail) -> dict[str, A
             raise fail(f"layers {list(out['layers'])} lists a layer twice", "params", "layers")
     out["_dim_params"] = tuple(dim_params)
     return out
-
-
-def dtype_bytes(t: TensorType) -> int:
-    return DTYPE_BYTES[t.dtype]

@@ -6,7 +6,6 @@ import json
 import sys
 import time
 
-import attrs
 
 from ..analysis.memory import MemoryReport
 from ..rewrite.pipeline import Plan, compile_graph

@@ -29,10 +29,6 @@ class LiveTracker(TorchDispatchMode):
     def charge(self, device: str | None, node: str | None = None) -> None:
         self.device, self.node = device, node
 
-    def track(self, t: torch.Tensor, device: str | None = None) -> None:
-        """Charge an existing tensor (weights, inputs made outside an op) to a device."""
-        self._add(t, device or self.device)
-
     def adopt(self, t: torch.Tensor, device: str, charge: bool = True) -> None:
         """Charge a tensor that existed before tracking began (a weight) to `device`, once per device, and remember
         its storage so that views of it (a transposed weight) are not counted as new memory."""
@@ -71,10 +67,6 @@ class LiveTracker(TorchDispatchMode):
                 self._add(t, self.device)
         return out
 
-    def reset_peaks(self) -> None:
-        for d in list(self.peak):
-            self.peak[d] = self.live[d]
-        self.node_peak.clear()
 
 
 class CudaMeter:

@@ -77,10 +77,6 @@ def evaluate(node: ast.expr, lookup: Callable[[str], tuple[sympy.Expr, int]]) ->
                    "model.config_key, + - * // % ** and min()/max()")
 
 
-def sym_text(expr: sympy.Expr) -> str:
-    return str(expr).replace(" ", "")
-
-
 class DimEnv:
     """Resolves graph dims and model config references to (symbol, value)."""
 

@@ -45,5 +45,3 @@ class TensorType:
     def __str__(self) -> str:
         return f"{self.dtype}{self.sym_str()}={self.concrete_str()} @{self.device}"
 
-    def with_(self, **kw) -> "TensorType":
-        return attrs.evolve(self, **kw)

@@ -623,7 +623,7 @@ def _delta_rule(lv: _Live, d: Qwen35Dims, s: int, b: int, use_cache: bool) -> st
 def _gated_deltanet(lv: _Live, d: Qwen35Dims, s: int, b: int, use_cache: bool, out: str) -> None:
     """Qwen3_5GatedDeltaNet.forward (mq L545-L656), no padding mask, prefill."""
     up = b != F32
-    h, nv, dv = d.hidden_size, d.linear_num_value_heads, d.linear_value_head_dim
+    h, nv = d.hidden_size, d.linear_num_value_heads
     cd, vd, k = d.conv_dim, d.linear_value_dim, d.linear_conv_kernel_dim
     lv.alloc("gdn.qkv", b * s * cd)  # in_proj_qkv (mq L563)
     lv.alloc("gdn.z", b * s * vd)  # in_proj_z (mq L566)

@@ -39,8 +39,6 @@ class CostContext:
     grad: bool                 # autograd records this node (it feeds a trainable model's loss)
     taps: frozenset[int] = frozenset()   # a forward's layers that hook_capture nodes ask for
 
-    def out_bytes(self) -> int:
-        return sum(t.nbytes for t in self.outputs.values())
 
 
 def no_workspace(c: CostContext) -> NodeCost:

@@ -3,8 +3,6 @@ never because of a node's id or op name. docs/rules/ has one page per rule with 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ..ir.graph import Node, Ref
 from ..ops import registry
 from ..ops.contract import tokens
@@ -92,7 +90,7 @@ def _gather_through_remap(typed: Typed, node: Node) -> Replacement | None:
     # roll: out[i] = x[(i - shift) mod n]  =>  gather(roll(x), idx) = gather(x, (idx - shift) mod n)
     idx = Node(idx_id, "index_shift", (("index", node.input(sel.index)),), {"shift": -shift % n, "modulo": n},
                node.device, note=f"gather_through_remap: index of {node.id} through {prod.id}")
-    (x_port, x_ref), = prod.inputs
+    (_, x_ref), = prod.inputs
     new = node.evolve(inputs=tuple((p, x_ref if p == sel.source else (Ref(idx_id, "out") if p == sel.index else r))
                                    for p, r in node.inputs), note=f"gather_through_remap: was reading {prod.id}")
     return Replacement(remove=(node.id,), add=(idx, new), touched=(node.id, prod.id))
@@ -257,5 +255,3 @@ ALL_RULES = dict(sorted(ALL_RULES.items()))
 def table(*names: str) -> list[Rule]:
     return [ALL_RULES[n] for n in names]
 
-
-Matcher = Callable[[Typed, Node], Replacement | None]
