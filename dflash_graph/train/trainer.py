@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,10 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         metrics_path = out / "metrics.jsonl"
         mode = "a" if self.opts.resume is not None and metrics_path.exists() else "w"
+        if mode == "a":   # lines past the checkpoint (a hard stop) are dropped: the resumed run writes them again
+            kept = [ln for ln in metrics_path.read_text().splitlines() if ln.strip()
+                    and json.loads(ln).get("step", 0) <= self.start_step]
+            metrics_path.write_text("".join(ln + "\n" for ln in kept))
         tr = self.interp.tracker
         cuda = sorted({t for t in self.tdev.values() if t.startswith("cuda")})
         for d in cuda:
@@ -140,25 +146,29 @@ class Trainer:
         ck_every = int(self.cfg["checkpoint_every"])
         step = self.start_step
         t_start = time.perf_counter()
-        interrupted = False
-        data_state = self.data.state()
+        interrupted = hard_stop = False
+        # Ctrl-C asks to stop: the step in flight finishes (an optimizer step is never left half done), then a
+        # checkpoint is saved. A second Ctrl-C stops at once and keeps the previous checkpoint.
+        stop = {"requested": False}
+
+        def on_sigint(signum, frame):
+            if stop["requested"]:
+                raise KeyboardInterrupt
+            stop["requested"] = True
+            print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once)",
+                  file=sys.stderr, flush=True)
+
+        old_handler = None
+        if threading.current_thread() is threading.main_thread():
+            old_handler = signal.signal(signal.SIGINT, on_sigint)
         if tr is not None:
             tr.__enter__()
             self.interp.charge_weights()
         try:
             with open(metrics_path, mode) as mf:
                 while step < self.steps:
-                    data_state = self.data.state()
-                    gen_state = self.interp.generator.get_state()
                     t0 = time.perf_counter()
-                    try:
-                        m = self.step()
-                    except KeyboardInterrupt:
-                        self.data.load_state(data_state)
-                        self.interp.generator.set_state(gen_state)
-                        self.opt.zero_grad(set_to_none=True)
-                        interrupted = True
-                        break
+                    m = self.step()
                     dt = time.perf_counter() - t0
                     step += 1
                     rec = {"step": step, "loss": round(m["loss"], 6), "tokens_per_s": round(self.tokens_per_step / dt, 1),
@@ -168,13 +178,24 @@ class Trainer:
                     mf.write(json.dumps(rec) + "\n")
                     mf.flush()
                     self._progress(rec, t_start)
+                    if stop["requested"]:
+                        interrupted = True
+                        break
                     if ck_every and step % ck_every == 0 and step < self.steps:
                         self._save(step)
+        except KeyboardInterrupt:
+            interrupted = hard_stop = True
         finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
             if tr is not None:
                 tr.__exit__(None, None, None)
         if self.opts.progress and sys.stdout.isatty():
             print()
+        if hard_stop:
+            print(f"stopped during step {step + 1}: kept the last saved checkpoint in {out / 'checkpoint'} (if any); "
+                  f"continue with --resume {out}", file=sys.stderr)
+            return 130
         self._save(step)
         self._write_memory()
         if interrupted:
