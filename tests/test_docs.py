@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from dflash_graph.spec.reference import ops_reference, toml_reference
+from dflash_graph.cli.reference import ops_reference, toml_reference
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

@@ -82,6 +82,17 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
                                     hint="dims must be positive integers or expressions of other dims and model.config_key"))
     models: dict[str, ModelInfo] = {}
     for name, m in spec.models.items():
+        if m.arch not in ARCHS:
+            problems.append(Problem(f"unknown arch '{m.arch}'{did_you_mean(m.arch, list(ARCHS))}",
+                                    spec.loc("models", name, "arch"), hint="archs: " + ", ".join(ARCHS)))
+            continue
+        if m.config_file is None:   # an inline config is checked key by key; a checkpoint's config.json is not
+            known = ARCHS[m.arch].config_keys
+            for k in m.config:
+                if k not in known:
+                    problems.append(Problem(f"unknown config key '{k}' for arch '{m.arch}'"
+                                            f"{did_you_mean(k, sorted(known))}", spec.loc("models", name, "config", k),
+                                            hint="valid keys: " + ", ".join(sorted(known))))
         cfg = {}
         for k, v in m.config.items():
             if isinstance(v, str) and _is_dim_expr(v, env, spec):

@@ -21,7 +21,7 @@ import sympy
 from ..ir.types import Dim
 
 if TYPE_CHECKING:
-    from ..analysis.cost import CostContext, NodeCost
+    from .costs import CostContext, NodeCost
 
 Binds = dict[str, "Dim | tuple[Dim, ...]"]
 

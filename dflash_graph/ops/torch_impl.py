@@ -1,30 +1,27 @@
 """The torch implementation of every op in ops/catalog.py. Imported only by exec/ (never by `check`).
 
-Each function takes an `ExecContext` and the node's inputs by port name and returns its outputs by name.
+Each function takes the interpreter's context (exec/interpreter.py `ExecContext`: params, device, modules, batch)
+and the node's inputs by port name and returns its outputs by name.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-if TYPE_CHECKING:
-    from ..exec.interpreter import ExecContext
 
-
-def token_input(c: "ExecContext") -> dict[str, Tensor]:
+def token_input(c) -> dict[str, Tensor]:
     b = c.batch()
     return {"input_ids": b["input_ids"].to(c.device), "position_ids": b["position_ids"].to(c.device),
             "loss_mask": b["loss_mask"].to(c.device)}
 
 
-def _forward(c: "ExecContext", input_ids: Tensor, position_ids: Tensor, logits: bool) -> dict[str, Tensor]:
+def _forward(c, input_ids: Tensor, position_ids: Tensor, logits: bool) -> dict[str, Tensor]:
     from ..models.nn.qwen3_5 import body_forward as run_body, final_norm, lm_head
 
     model = c.module("body")

@@ -202,8 +202,6 @@ class _Builder:
         return out
 
     def build_models(self, models: Any) -> dict[str, ModelSpec]:
-        from ..models import registry as archs
-
         out = {}
         for name, m in models.items():
             cfg_file = m.pop("_config_file", None) if isinstance(m, dict) else None
@@ -215,19 +213,11 @@ class _Builder:
             except ValueError as e:
                 self.err(("models", name, "dtype"), str(e))
                 continue
-            arch = v["arch"]
-            if arch in archs.ARCHS and not cfg_file:
-                known = archs.ARCHS[arch].config_keys
-                for k in v["config"]:
-                    if k not in known:
-                        self.err(("models", name, "config", k),
-                                 f"unknown config key '{k}' for arch '{arch}'{did_you_mean(k, sorted(known))}",
-                                 hint="valid keys: " + ", ".join(sorted(known)))
             shares = v["shares"] or {}
             for comp, target in shares.items():
                 if not isinstance(target, str) or target.count(".") != 1:
                     self.err(("models", name, "shares", comp), f"share '{comp}' must be \"model.component\", got {target!r}")
-            out[name] = ModelSpec(name, arch, frozen_map(v["config"]), dtype, bool(v["trainable"]), v["weights"],
+            out[name] = ModelSpec(name, v["arch"], frozen_map(v["config"]), dtype, bool(v["trainable"]), v["weights"],
                                   frozen_map(shares), cfg_file)
         for name, m in out.items():
             for comp, target in m.shares.items():

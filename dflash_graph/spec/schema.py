@@ -56,7 +56,7 @@ MEMORY = Section("memory", "How memory is predicted.", (
 ))
 
 MODEL = Section("models.<name>", "A model whose weights nodes use.", (
-    Key("arch", "str", "Architecture.", required=True, choices=("qwen3_5", "dflash")),
+    Key("arch", "str", "Architecture (see \"Model configs by arch\" below).", required=True),
     Key("config", "str|table", "The model config: a path to a config.json (relative to this file) or an inline "
         "table of config keys. String values that are dim expressions are evaluated (`vocab_size = \"vocab\"`).",
         required=True),

@@ -4,7 +4,7 @@ fails when docs/ is out of date."""
 
 from __future__ import annotations
 
-from . import schema
+from ..spec import schema
 
 
 def _default(v) -> str:
@@ -15,7 +15,7 @@ def toml_reference() -> str:
     from ..models.registry import ARCHS
 
     out = ["# TOML reference", "",
-           "Generated from `dflash_graph/spec/schema.py` by `python tools/gen_docs.py`; do not edit by hand.", "",
+           "Generated from `dflash_graph/spec/schema.py` (and the arch registry) by `python tools/gen_docs.py`; do not edit by hand.", "",
            "Unknown keys are errors that list the valid ones. Any scalar can be overridden from the command line "
            "with `--set dotted.path=value` (nodes by id: `--set nodes.<id>.params.<name>=...`).", ""]
     for sec in schema.SECTIONS:
