@@ -26,8 +26,29 @@ def _allocator_env(plan) -> None:
               "[memory] assumes the default allocator", file=sys.stderr)
 
 
+def _mapped_overrides(args) -> list[str]:
+    """--device-map rewrites the devices' torch names before check runs, so the prediction is for the devices the
+    run will use (a CUDA graph mapped to CPU is predicted without the caching allocator)."""
+    import fnmatch
+
+    from ..exec.devices import parse_device_map
+    from ..spec.loader import load_graph
+
+    mapping = parse_device_map(args.device_map)
+    if not mapping:
+        return []
+    spec = load_graph(args.graph, args.overrides)
+    out = []
+    for name, dev in spec.devices.items():
+        for pat, dst in mapping:
+            if fnmatch.fnmatch(dev.torch, pat):
+                out.append(f"devices.{name}.torch={dst}")
+                break
+    return out
+
+
 def cmd_run(args) -> int:
-    plan = compile_graph(args.graph, args.overrides, rewrite=not args.no_rewrite)
+    plan = compile_graph(args.graph, [*args.overrides, *_mapped_overrides(args)], rewrite=not args.no_rewrite)
     spec = plan.typed.ctx.spec
     print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")
     print(render_memory(plan.memory, plan.memory_before))
