@@ -148,8 +148,10 @@ def cmd_check(args) -> int:
     print(render_rewrites(plan))
     print()
     es = plan.memory.allocator.expandable_segments
-    print(f"memory per device (one training step, two simulated; allocator: "
-          f"{'expandable_segments' if es else 'default caching allocator'}):")
+    cuda = any(d.torch.startswith("cuda") for d in plan.memory.devices.values())
+    alloc = ("CUDA caching allocator, " + ("expandable_segments" if es else "default settings")) if cuda else \
+        "CPU devices: no caching allocator, reserved = allocated"
+    print(f"memory per device (one training step, two simulated; {alloc}):")
     print(render_memory(plan.memory, plan.memory_before))
     print()
     if plan.memory.fits:
