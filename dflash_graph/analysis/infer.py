@@ -265,10 +265,11 @@ def _infer_node(node: Node, graph: Graph, ctx: GraphContext, types: Mapping[Ref,
                            actual=f"model {node.model}", hint=f"set model = \"{producer.model}\"")
             for other, _ in graph.consumers(given[port.name]):
                 if other != node.id and other in graph:
-                    both = set(p.get("layers", ())) & set(graph[other].params.get("layers", ()))
+                    theirs = registry.get(graph[other].op).layer_ids(graph[other].params)
+                    both = set(op.layer_ids(p)) & set(theirs)
                     if both and graph.nodes.index(graph[other]) < graph.nodes.index(node):
                         raise fail(f"layer(s) {sorted(both)} of '{producer.id}' are already hooked by '{other}'",
-                                   "params", "layers", hint="hook each layer once and read it from there")
+                                   "params", hint="hook each layer once and read it from there")
     # dtypes
     mdtype = model.spec.dtype if model else None
     for port in ports:
@@ -361,6 +362,7 @@ _KIND_OK = {
     "dim": lambda v: isinstance(v, (int, str)) and not isinstance(v, bool),
     "list[int]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in v),
 }
+_KIND_OK["layer_ids"] = _KIND_OK["list[int]"]
 
 
 def _check_params(node: Node, op: OpDef, ctx: GraphContext, fail) -> dict[str, Any]:
@@ -394,13 +396,15 @@ def _check_params(node: Node, op: OpDef, ctx: GraphContext, fail) -> dict[str, A
             v = (sym, val)
             dim_params.append(prm.name)
         out[prm.name] = v
-    if "layers" in out and node.model in ctx.models:
-        n_layers = getattr(ctx.models[node.model].dims, "num_hidden_layers", None)
-        for i in out["layers"]:
+    for prm in op.params:
+        if prm.kind != "layer_ids" or node.model not in ctx.models:
+            continue
+        ids, n_layers = list(out[prm.name]), getattr(ctx.models[node.model].dims, "num_hidden_layers", None)
+        for i in ids:
             if n_layers is not None and not 0 <= i < n_layers:
                 raise fail(f"layer {i} does not exist: model '{node.model}' has layers 0..{n_layers - 1}",
-                           "params", "layers")
-        if len(set(out["layers"])) != len(out["layers"]):
-            raise fail(f"layers {list(out['layers'])} lists a layer twice", "params", "layers")
+                           "params", prm.name)
+        if len(set(ids)) != len(ids):
+            raise fail(f"{prm.name} {ids} lists a layer twice", "params", prm.name)
     out["_dim_params"] = tuple(dim_params)
     return out

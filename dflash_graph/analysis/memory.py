@@ -139,7 +139,7 @@ def hook_refs(typed: Typed, nid: str) -> dict[int, Ref]:
     if key not in typed.cache:
         out: dict[int, Ref] = {}
         for hook_id, _ in typed.graph.consumers(Ref(nid, "taps")):
-            for i in typed.params[hook_id].get("layers", ()):
+            for i in registry.get(typed.graph[hook_id].op).layer_ids(typed.params[hook_id]):
                 out.setdefault(int(i), Ref(hook_id, f"layer{i}"))
         typed.cache[key] = out
     return typed.cache[key]

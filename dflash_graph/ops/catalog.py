@@ -92,7 +92,7 @@ register(OpDef(
         "that forward runs and its layer outputs are allocated while it runs, each at its layer.",
     inputs=(Port("taps", "seq", "handle"),),
     outputs=_hook_outputs,
-    params=(Param("layers", "list[int]", "Decoder layers to capture.", required=True),),
+    params=(Param("layers", "layer_ids", "Decoder layers to capture.", required=True),),
     model_arch=("qwen3_5",),
     bind=lambda c: {"hidden": c.model_ref("hidden_size")},
     traits=Traits(drop_outputs=_drop_layers),

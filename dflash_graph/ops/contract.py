@@ -38,7 +38,7 @@ class Port:
 @attrs.frozen
 class Param:
     name: str
-    kind: str          # int | float | str | bool | dim | list[int]
+    kind: str          # int | float | str | bool | dim | list[int] | layer_ids (decoder layers of the node's model)
     doc: str
     default: Any = None
     required: bool = False
@@ -103,6 +103,10 @@ class OpDef:
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
+
+    def layer_ids(self, params: Mapping[str, Any]) -> tuple[int, ...]:
+        """The model layers this node names (its `layer_ids` param), e.g. the layers a hook_capture hooks."""
+        return tuple(int(i) for p in self.params if p.kind == "layer_ids" for i in params.get(p.name, ()))
 
 
 @attrs.frozen
