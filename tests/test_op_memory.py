@@ -37,19 +37,7 @@ def predicted(cost_fn, node, inputs, outputs, grad=False, dtype_bytes=2) -> int:
                                   {k: tt(v) for k, v in outputs.items()}, None, dtype_bytes, grad))
     if c.program is None:
         return c.workspace_bytes + sum(v.numel() * v.element_size() for v in outputs.values())
-    return _replay(c.program)   # the op's own allocation order
-
-
-def _replay(program) -> int:
-    sizes, live, peak = {}, 0, 0
-    for kind, key, size in program:
-        if kind == "alloc":
-            sizes[key] = size
-            live += size
-            peak = max(peak, live)
-        else:
-            live -= sizes.pop(key)
-    return peak
+    return costs.program_peak(c.program)   # the op's own allocation order
 
 
 def ctx(params=None, modules=None):
@@ -103,20 +91,13 @@ def test_loss_forward(kind, chunk):
 def test_verifier_path_measured(in_repo, rewrite, docs):
     """The whole verifier path (tests/graphs/verifier_path.toml: body, norm and lm_head over every position, roll,
     gather), as written and rewritten: check's predicted activation peak vs the measured one."""
-    from dflash_graph.analysis.memory import device_events
+    from dflash_graph.analysis.memory import activation_peak
     from dflash_graph.exec.interpreter import Interpreter
     from dflash_graph.exec.models import ModelStore
     from dflash_graph.rewrite.pipeline import compile_graph
 
     plan = compile_graph("tests/graphs/verifier_path.toml", rewrite=rewrite)
-    events, _ = device_events(plan.typed, "cpu", steps=1)
-    live = peak = loaded = 0
-    for ev in events:
-        live += ev.size if ev.op == "alloc" else -ev.size
-        if ev.label.startswith("load/"):
-            loaded = live
-        peak = max(peak, live)
-    predicted = peak - loaded                     # activations above the resident weights
+    predicted = activation_peak(plan.typed, "cpu")
     store = ModelStore(plan.typed, {"cpu": "cpu"})
     store.preload()
     interp = Interpreter(plan.typed, store, {"cpu": "cpu"}, track_memory=False)
@@ -220,7 +201,7 @@ def test_verifier_path_against_memtracker(rewrite):
     from strategies import RAND_INPUT
 
     from dflash_graph.analysis.infer import build, infer
-    from dflash_graph.analysis.memory import device_events
+    from dflash_graph.analysis.memory import activation_peak
     from dflash_graph.exec.interpreter import Interpreter
     from dflash_graph.exec.models import ModelStore
     from dflash_graph.ops.registry import registered
@@ -230,14 +211,7 @@ def test_verifier_path_against_memtracker(rewrite):
     with registered(RAND_INPUT):
         plan = compile_typed(infer(*build(parse_graph(VERIFIER_ONLY, "verifier_only.toml"))), rewrite)
         assert any(a.rule == "gather_through_positionwise" for a in plan.applied) == rewrite
-        events, _ = device_events(plan.typed, "cpu", steps=1)
-        live = peak = loaded = 0
-        for ev in events:
-            live += ev.size if ev.op == "alloc" else -ev.size
-            if ev.label.startswith("load/"):
-                loaded = live
-            peak = max(peak, live)
-        predicted = peak - loaded
+        predicted = activation_peak(plan.typed, "cpu")
         store = ModelStore(plan.typed, {"cpu": "cpu"})
         store.preload()
         interp = Interpreter(plan.typed, store, {"cpu": "cpu"}, track_memory=False)

@@ -35,7 +35,7 @@ import attrs
 from ..ir.graph import Node, Ref
 from ..models.registry import ARCHS
 from ..ops import registry
-from ..ops.costs import CostContext, NodeCost
+from ..ops.costs import CostContext, NodeCost, program_peak
 from ..units import DTYPE_BYTES, fmt_bytes
 from .allocator import AllocatorConfig, Event, round_size, simulate
 from .infer import Typed
@@ -233,16 +233,8 @@ def device_events(typed: Typed, device: str, steps: int = STEPS_SIMULATED,
 @functools.lru_cache(maxsize=512)
 def _compressed(program: tuple[tuple[str, str, int], ...]) -> tuple[tuple[str, str, int], ...]:
     """One temporary block of the program's peak excursion above its outputs, then the outputs."""
-    sizes: dict[str, int] = {}
-    live = peak = outs = 0
-    for kind, key, size in program:
-        if kind == "alloc":
-            sizes[key] = size
-            live += size
-            outs += size if key.startswith(("out:", "tap:")) else 0
-            peak = max(peak, live)
-        elif key in sizes:
-            live -= sizes.pop(key)
+    peak = program_peak(program)
+    outs = sum(size for kind, key, size in program if kind == "alloc" and key.startswith(("out:", "tap:")))
     out_steps = tuple(st for st in program if st[0] == "alloc" and st[1].startswith(("out:", "tap:")))
     extra = peak - outs
     return (("alloc", "peak", extra), *out_steps, ("free", "peak", 0))
@@ -489,14 +481,26 @@ def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:
         cuda = typed.ctx.spec.devices[name].torch.startswith("cuda")
         key = ("live_peak", _signature(typed, name), cuda)
         if key not in typed.cache:
-            events, _ = device_events(typed, name, steps=1, compress=True)
-            live = peak = 0
-            for ev in events:
-                # on CUDA every block is rounded (allocator.round_size): a rewrite that saves bytes but adds a
-                # tensor can still raise the rounded total
-                size = round_size(ev.size) if cuda and ev.size else ev.size
-                live += size if ev.op == "alloc" else -size
-                peak = max(peak, live)
-            typed.cache[key] = peak
+            # on CUDA every block is rounded (allocator.round_size): a rewrite that saves bytes but adds a
+            # tensor can still raise the rounded total
+            typed.cache[key] = events_peak(device_events(typed, name, steps=1, compress=True)[0], rounded=cuda)
         peaks[name] = typed.cache[key]
     return peaks, flops
+
+
+def events_peak(events, rounded: bool = False) -> int:
+    """The most live bytes an allocation sequence reaches (block sizes rounded like the CUDA allocator's)."""
+    live = peak = 0
+    for ev in events:
+        size = round_size(ev.size) if rounded and ev.size else ev.size
+        live += size if ev.op == "alloc" else -size
+        peak = max(peak, live)
+    return peak
+
+
+def activation_peak(typed: Typed, device: str) -> int:
+    """Peak live bytes of one step on a device above what is resident from the start (weights, training state,
+    queue buffers): what a live-tensor tracker measures when the weights are external to it."""
+    events, _ = device_events(typed, device, steps=1)
+    resident = sum(ev.size for ev in events if ev.op == "alloc" and ev.label.startswith("load/"))
+    return events_peak(events) - resident

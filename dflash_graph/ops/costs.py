@@ -41,6 +41,20 @@ class CostContext:
 
 
 
+def program_peak(program: tuple[tuple[str, str, int], ...]) -> int:
+    """The most bytes a program holds at once (its temporaries and the outputs it has made so far)."""
+    sizes: dict[str, int] = {}
+    live = peak = 0
+    for kind, key, size in program:
+        if kind == "alloc":
+            sizes[key] = size
+            live += size
+            peak = max(peak, live)
+        elif key in sizes:
+            live -= sizes.pop(key)
+    return peak
+
+
 def no_workspace(c: CostContext) -> NodeCost:
     return NodeCost()
 
