@@ -29,6 +29,7 @@ import argparse
 import json
 import logging
 import os
+import pathlib
 import sys
 import time
 
@@ -44,22 +45,10 @@ from dflash_graph.models.qwen3_5 import (  # noqa: E402
     body_forward_workspace_bytes,
 )
 
-QWEN35_27B = {
-    "vocab_size": 248320,
-    "hidden_size": 5120,
-    "intermediate_size": 17408,
-    "num_hidden_layers": 64,
-    "num_attention_heads": 24,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 48,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "full_attention_interval": 4,
-    "tie_word_embeddings": False,
-}
+# the 27B dims, from the graph that describes the crashed run (one source for the graph, tests and tools)
+QWEN35_27B = {k: v for k, v in json.loads(
+    (pathlib.Path(__file__).resolve().parent.parent / "graphs" / "qwen27b" / "target_config.json").read_text()
+).items() if k not in ("model_type", "rms_norm_eps", "tie_word_embeddings")}   # tie: the default (untied)
 
 GIB = 2**30
 DTYPES = {"bf16": (torch.bfloat16, 2), "fp16": (torch.float16, 2), "fp32": (torch.float32, 4)}

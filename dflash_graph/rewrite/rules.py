@@ -71,12 +71,19 @@ DROP_UNUSED = Rule("drop_unused", "Traits.pure / Port.optional",
 
 # -- selection through a position permutation (roll) ------------------------------------------------------------
 
-def _gather_through_remap(typed: Typed, node: Node) -> Replacement | None:
+def _selection(typed: Typed, node: Node):
+    """(selection trait, the selected tensor, its producer) when `node` is a selection, else None."""
     sel = _op(node).traits.selection
     if sel is None:
         return None
     src = node.input(sel.source)
-    prod = typed.graph[src.node]
+    return sel, src, typed.graph[src.node]
+
+
+def _gather_through_remap(typed: Typed, node: Node) -> Replacement | None:
+    if (found := _selection(typed, node)) is None:
+        return None
+    sel, src, prod = found
     remap = _op(prod).traits.remap
     if remap is None:
         return None
@@ -115,11 +122,9 @@ def _group_span(spec: str, group: str, rank: int) -> tuple[int, int] | None:
 
 
 def _gather_through_positionwise(typed: Typed, node: Node) -> Replacement | None:
-    sel = _op(node).traits.selection
-    if sel is None:
+    if (found := _selection(typed, node)) is None:
         return None
-    src = node.input(sel.source)
-    prod = typed.graph[src.node]
+    sel, src, prod = found
     pop = _op(prod)
     group = pop.traits.positionwise
     if group is None or not _sole_consumer(typed, src, node.id):
