@@ -58,9 +58,13 @@ def plan_json(plan: Plan) -> dict:
 
 def render_nodes(typed) -> str:
     lines = []
+    w = max((len(n.id) for n in typed.graph.nodes), default=0) + 1
     for n in typed.graph.nodes:
-        lines.append(f"  {n.id:<24} {n.op:<18} @{n.device}" + (f"  model={n.model}" if n.model else ""))
+        lines.append(f"  {n.id:<{w}} {n.op:<18} @{n.device}" + (f"  model={n.model}" if n.model else ""))
         for k, t in typed.outputs_of(n.id).items():
+            if t.dtype == "handle":
+                lines.append(f"      .{k:<16} hook point (no memory): hook_capture nodes read it")
+                continue
             lines.append(f"      .{k:<16} {t.dtype:<9} {t.sym_str():<28} = {t.concrete_str()}")
     return "\n".join(lines)
 
