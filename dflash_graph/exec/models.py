@@ -8,6 +8,8 @@ that shares components (`shares`) uses the owner's modules, frozen.
 from __future__ import annotations
 
 import copy
+import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +20,30 @@ from ..errors import GraphError, Problem
 from ..ops import registry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class _KernelFallbackNote(logging.Filter):
+    """transformers warns, once per kernel, that Qwen3.5's Gated DeltaNet falls back to PyTorch's reference code
+    and suggests installing CUDA-only packages. On a CPU run that advice cannot be followed, and check's memory
+    model assumes exactly these reference kernels: say so once, in one line."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "falling back to its reference PyTorch implementation" not in record.getMessage():
+            return True
+        if not _KernelFallbackNote.said:
+            _KernelFallbackNote.said = True
+            print("note: the target's linear attention runs on PyTorch's reference kernels (flash-linear-attention "
+                  "and causal-conv1d are not installed); check's memory model assumes the same kernels",
+                  file=sys.stderr)
+        return False
+
+
+def _quiet_kernel_fallbacks() -> None:
+    lg = logging.getLogger("transformers.integrations.hub_kernels")
+    if not any(isinstance(f, _KernelFallbackNote) for f in lg.filters):
+        lg.addFilter(_KernelFallbackNote())
 
 
 class ModelStore:
@@ -45,6 +71,7 @@ class ModelStore:
                     raise GraphError(Problem(f"weights for model '{model}' not found: {weights}",
                                              self.typed.ctx.spec.loc("models", model, "weights"),
                                              hint="a local directory or .safetensors file, relative to the graph file"))
+            _quiet_kernel_fallbacks()
             torch.manual_seed(self.seed)
             built = build_target(dict(m.config), weights, DTYPES[m.spec.dtype], tdev)
             built.requires_grad_(False)
