@@ -50,3 +50,23 @@ def canonical_dtype(name: str) -> str:
     if name not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(sorted(DTYPE_BYTES))}")
     return name
+
+
+_RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kMGTP]?)FLOP/s\s*$")
+_RATE_PREFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+
+
+def parse_rate(text: str) -> float:
+    """'400 TFLOP/s' -> 4e14 FLOP/s. Raises ValueError naming the accepted form."""
+    m = _RATE_RE.match(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"expected a positive compute rate such as '400 TFLOP/s' or '60 GFLOP/s', got {text!r}")
+    return float(m.group(1)) * _RATE_PREFIX[m.group(2)]
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} us"

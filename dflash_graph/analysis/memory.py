@@ -418,10 +418,14 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
     if allocator is None:
         allocator = AllocatorConfig(expandable_segments=spec.memory.expandable_segments,
                                     max_split_size_bytes=spec.memory.max_split_size)
+    from .launch import nccl_outside_bytes
+
+    nccl = nccl_outside_bytes(typed)
     devices = {}
     for name, dev in spec.devices.items():
         events, resident = device_events(typed, name)
-        usable = max(dev.capacity - dev.outside_allocator, 0)
+        outside = dev.outside_allocator + nccl[name]     # NCCL's p2p buffers under torchrun (analysis/launch.py)
+        usable = max(dev.capacity - outside, 0)
         skey = ("sim", _signature(typed, name), usable, dev.torch.startswith("cuda"), allocator)
         if skey in typed.cache:
             devices[name] = attrs.evolve(typed.cache[skey], name=name, torch=dev.torch,
@@ -456,7 +460,7 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
             o = sim.oom
             node, _, what = o.label.partition("/")
             oom = Oom(name, node, what, o.requested_bytes, o.free_bytes, dev.capacity, o.reserved_bytes,
-                      o.allocated_bytes, dev.outside_allocator)
+                      o.allocated_bytes, outside)
         devices[name] = DeviceMemory(
             name=name, torch=dev.torch, capacity_bytes=dev.capacity, usable_bytes=usable,
             weight_bytes=resident["weights"], optimizer_bytes=resident["optimizer"],

@@ -10,6 +10,7 @@ import time
 from ..analysis.memory import MemoryReport
 from ..rewrite.pipeline import Plan, compile_graph
 from ..units import fmt_bytes
+from .launch import launch_json, render_launch
 
 
 def nodes_json(typed) -> list[dict]:
@@ -53,6 +54,7 @@ def plan_json(plan: Plan) -> dict:
         "rewrites": [{"pass": a.pass_name, "rule": a.rule, "nodes": list(a.nodes), "trait": a.trait,
                       "saved_bytes": dict(a.saved_bytes), "saved_flops": dict(a.saved_flops)} for a in plan.applied],
         "before": memory_json(plan.memory_before) if plan.memory_before is not None else None,
+        "launch": launch_json(typed),
     }
 
 
@@ -157,6 +159,8 @@ def cmd_check(args) -> int:
         "CPU devices: no caching allocator, reserved = allocated"
     print(f"memory per device (one training step, two simulated; {alloc}):")
     print(render_memory(plan.memory, plan.memory_before))
+    print()
+    print(render_launch(typed))
     print()
     if plan.memory.fits:
         print("verdict: fits on every device")

@@ -48,14 +48,26 @@ def _mapped_overrides(args) -> list[str]:
 
 
 def cmd_run(args) -> int:
+    from ..exec.distributed import under_torchrun
+
+    distributed = under_torchrun()
+    # under torchrun every rank checks the same graph and reaches the same verdict; rank 0 prints it
+    talk = not distributed or os.environ.get("RANK") == "0"
     plan = compile_graph(args.graph, [*args.overrides, *_mapped_overrides(args)], rewrite=not args.no_rewrite)
     spec = plan.typed.ctx.spec
-    print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")
-    print(render_memory(plan.memory, plan.memory_before))
+    if talk:
+        print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")
+        print(render_memory(plan.memory, plan.memory_before))
+        if distributed:
+            from .launch import render_launch
+
+            print(render_launch(plan.typed).splitlines()[0].replace("launch: ", "launch (this run): "), flush=True)
     if not plan.memory.fits:
-        print(render_ooms(plan), file=sys.stderr)
+        if talk:
+            print(render_ooms(plan), file=sys.stderr)
         if not args.force:
-            print("refusing to run: check predicts an OOM (use --force to run anyway)", file=sys.stderr)
+            if talk:
+                print("refusing to run: check predicts an OOM (use --force to run anyway)", file=sys.stderr)
             return 1
     _allocator_env(plan)
     from ..exec.devices import parse_device_map
@@ -64,5 +76,5 @@ def cmd_run(args) -> int:
     out = Path(args.out) if args.out else Path("runs") / spec.name
     opts = RunOptions(out=out, steps=args.steps, resume=Path(args.resume) if args.resume else None,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, distributed=distributed)
     return Trainer(plan, opts).run()

@@ -20,8 +20,10 @@ def parse_device_map(items: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
-def torch_devices(spec: GraphSpec, device_map: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
-    """Logical device name -> torch device string after remapping; checks that each exists on this machine."""
+def torch_devices(spec: GraphSpec, device_map: Sequence[tuple[str, str]] = (),
+                  only: Sequence[str] | None = None) -> dict[str, str]:
+    """Logical device name -> torch device string after remapping; checks that each exists on this machine (only
+    the devices in `only`, under torchrun: the others belong to other processes, maybe on other machines)."""
     import torch
 
     out = {}
@@ -33,6 +35,8 @@ def torch_devices(spec: GraphSpec, device_map: Sequence[tuple[str, str]] = ()) -
                 break
         out[name] = t
     for name, t in out.items():
+        if only is not None and name not in only:
+            continue
         if t.startswith("cuda"):
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             idx = int(t.split(":")[1]) if ":" in t else 0

@@ -4,6 +4,10 @@ group nodes one after another, every value freed after its last use, memory meas
 One step runs the graph once per replica index r (a node on a group runs on the group's r-th device, a node on
 one device runs there for every r: the drafter device trains on each target's batch in turn). Nodes that feed a
 trainable model's loss run with autograd; everything else under no_grad.
+
+Under torchrun a process owns only some devices (`local`): it runs the nodes placed on them, and a transfer whose
+two ends are on different ranks is a send on one side (`Comm.send`) and, on the other, a tensor that has already
+arrived in this rank's receive queue (`inbox`). In one process every device is local and a transfer is `.to()`.
 """
 
 from __future__ import annotations
@@ -66,8 +70,11 @@ def _impl(op_name: str):
 
 class Interpreter:
     def __init__(self, typed: Typed, store: ModelStore, torch_device: Mapping[str, str], strict: bool = False,
-                 seed: int = 0, track_memory: bool = True):
+                 seed: int = 0, track_memory: bool = True, local: frozenset[str] | None = None, comm=None):
         self.typed, self.store, self.torch_device, self.strict = typed, store, dict(torch_device), strict
+        self.local = frozenset(typed.ctx.spec.devices) if local is None else frozenset(local)
+        self.comm = comm
+        self.on_node: Callable[[str, int], None] | None = None
         g = typed.graph
         self.order = list(g.nodes)
         self.grads = grad_nodes(typed)
@@ -80,7 +87,7 @@ class Interpreter:
         self.sinks = [n.id for n in self.order if registry.get(n.op).traits.sink]
         self.generator = torch.Generator().manual_seed(seed)
         self.tracker = LiveTracker() if track_memory else None
-        cuda = any(str(t).startswith("cuda") for t in self.torch_device.values())
+        cuda = any(str(self.torch_device[d]).startswith("cuda") for d in self.local)
         self.cuda_meter = CudaMeter() if cuda and track_memory else None
         self._sched: list[tuple] | None = None
         self.params = {n.id: {k: (v[1] if isinstance(v, tuple) and k in typed.params[n.id].get("_dim_params", ()) else v)
@@ -89,6 +96,21 @@ class Interpreter:
     def device_of(self, node: Node, r: int) -> str:
         devs = self.typed.ctx.devices_of(node.device)
         return devs[r % len(devs)]
+
+    def role(self, node: Node, r: int) -> str:
+        """What this process does with a node for replica r: run it, only send (its input is here, its device is
+        another rank's), take its output from the receive queue ('recv'), or nothing ('skip')."""
+        here = self.device_of(node, r) in self.local
+        if registry.get(node.op).traits.movement:
+            (_, src), = node.inputs
+            there = self.device_of(self.typed.graph[src.node], r) in self.local
+            if here and there:
+                return "run"
+            return "send" if there else ("recv" if here else "skip")
+        return "run" if here else "skip"
+
+    def runs_replica(self, r: int) -> bool:
+        return any(self.role(n, r) != "skip" for n in self.order)
 
     def charge_weights(self) -> None:
         """Charge resident weights to each logical device that uses them (as the prediction does)."""
@@ -100,6 +122,8 @@ class Interpreter:
             if not n.model:
                 continue
             for dev in self.typed.ctx.devices_of(n.device):
+                if dev not in self.local:
+                    continue
                 tdev = self.torch_device[dev]
                 roles = ["body"] if n.op in ("body_forward", "causal_lm_forward") else \
                     (["drafter"] if n.op == "drafter_forward" else list(op.components))
@@ -130,28 +154,50 @@ class Interpreter:
                 from ..analysis.memory import hook_refs
 
                 params = {**params, "_taps": sorted(hook_refs(self.typed, n.id))}
+            roles = [self.role(n, r) for r in range(self.replicas)]
             sched.append((n, self.impls[n.id], params, wanted, frees, devices, tdevs,
-                          n.id in self.grads, n.id in self.sinks, op))
+                          n.id in self.grads, n.id in self.sinks, op, roles))
         return sched
 
-    def run_replica(self, r: int, batch_fn, keep: frozenset[Ref] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
-        """Forward of the whole graph for replica index r; returns the sink nodes' outputs (and, under their
-        node ids, any outputs named in `keep`, which are then not freed after their last use)."""
+    def run_replica(self, r: int, batch_fn, keep: frozenset[Ref] = frozenset(), generator: torch.Generator | None = None,
+                    inbox: Mapping[str, torch.Tensor] | None = None,
+                    sends: Mapping[str, Any] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """Forward of the graph's local nodes for replica index r; returns the sink nodes' outputs (and, under
+        their node ids, any outputs named in `keep`, which are then not freed after their last use). `generator`
+        drives the random nodes of this replica's micro-batch (anchor sampling); `inbox` holds the transfers that
+        arrived from other ranks; `sends` maps a transfer node to its cross-rank route (exec/distributed.py)."""
         env: dict[Ref, torch.Tensor] = {}
         results: dict[str, dict[str, torch.Tensor]] = {}
         tr = self.tracker
+        gen = self.generator if generator is None else generator
         if self._sched is None:
             self._sched = self._schedule()
-        for n, impl, params, wanted, frees, devices, tdevs, grad, sink, op in self._sched:
+        for n, impl, params, wanted, frees, devices, tdevs, grad, sink, op, roles in self._sched:
+            role = roles[r]
+            if role == "skip":
+                continue
             dev, tdev = devices[r], tdevs[r]
-            ctx = ExecContext(n, params, tdev, dev, r, wanted, self.generator, self.store, batch_fn)
-            inputs = {p: env[ref] for p, ref in n.inputs}
-            if tr is not None:
-                tr.charge(dev, n.id)
-            meter = self.cuda_meter.window(dev, tdev, n.id) if self.cuda_meter and tdev.type == "cuda" else _NULL
-            with torch.set_grad_enabled(grad), meter:
-                outs = impl(ctx, **inputs)
-            if self.strict:
+            if self.on_node is not None:
+                self.on_node(n.id, r)
+            if role == "send":
+                (_, src), = n.inputs
+                self.comm.send(env[src], sends[n.id])
+                if self.last_use.get(src) == n.id:
+                    env.pop(src, None)
+                continue
+            if role == "recv":
+                outs = {"out": inbox[n.id]}
+                if tr is not None:
+                    tr.charge(dev, n.id)
+            else:
+                ctx = ExecContext(n, params, tdev, dev, r, wanted, gen, self.store, batch_fn)
+                inputs = {p: env[ref] for p, ref in n.inputs}
+                if tr is not None:
+                    tr.charge(dev, n.id)
+                meter = self.cuda_meter.window(dev, tdev, n.id) if self.cuda_meter and tdev.type == "cuda" else _NULL
+                with torch.set_grad_enabled(grad), meter:
+                    outs = impl(ctx, **inputs)
+            if self.strict and role == "run":
                 check_node(op, n.id, self.typed.params[n.id], {**inputs, **outs},
                            {**self.typed.inputs_of(n.id), **self.typed.outputs_of(n.id)}, str(tdev), len(n.inputs))
             for k, v in outs.items():
@@ -163,7 +209,8 @@ class Interpreter:
                 for k, v in outs.items():
                     if Ref(n.id, k) in keep:
                         results.setdefault(n.id, {})[k] = v
-            del outs, inputs
+            del outs
+            inputs = None
             for ref in frees:
                 env.pop(ref, None)
         if tr is not None:
@@ -179,6 +226,6 @@ class Interpreter:
 
     def _backward_device(self, r: int) -> str | None:
         for n in reversed(self.order):
-            if n.id in self.grads:
+            if n.id in self.grads and self.device_of(n, r) in self.local:
                 return self.device_of(n, r)
         return None

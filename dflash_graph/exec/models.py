@@ -143,13 +143,16 @@ class ModelStore:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for d in self.drafters.values() for p in d.parameters() if p.requires_grad]
 
-    def preload(self) -> None:
-        """Build every module the graph's nodes use, before the first step (so step 1 measures steady state)."""
+    def preload(self, local: frozenset[str] | None = None) -> None:
+        """Build every module the graph's nodes use on the `local` devices (all by default), before the first step
+        (so step 1 measures steady state)."""
         for n in self.typed.graph.nodes:
             op = registry.get(n.op)
             if not n.model:
                 continue
             for dev in self.typed.ctx.devices_of(n.device):
+                if local is not None and dev not in local:
+                    continue
                 tdev = self.torch_device[dev]
                 if n.op in ("body_forward", "causal_lm_forward"):
                     self.full(n.model, tdev)

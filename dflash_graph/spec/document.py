@@ -22,6 +22,15 @@ class DeviceSpec:
     torch: str
     capacity: int
     outside_allocator: int
+    rank: int | None = None
+    throughput: float | None = None     # FLOP/s
+
+
+@attrs.frozen
+class LaunchSpec:
+    nccl_memory_per_peer: int = 256 * 2**20
+    stall_timeout: float = 30.0
+    backend: str = "auto"
 
 
 @attrs.frozen
@@ -68,6 +77,7 @@ class GraphSpec:
     data: Mapping[str, Any]
     lines: LineIndex = attrs.field(eq=False, repr=False)
     description: str = ""
+    launch: LaunchSpec = LaunchSpec()
 
     def loc(self, *path: str | int) -> Location:
         p: Path = tuple(path)
@@ -75,6 +85,15 @@ class GraphSpec:
 
     def node_loc(self, node: NodeSpec, *sub: str | int) -> Location:
         return self.loc("nodes", node.index, *sub)
+
+    def rank_of(self, device: str) -> int:
+        """The torchrun rank that owns a device: its declared `rank`, else its index in [devices]."""
+        d = self.devices[device]
+        return d.rank if d.rank is not None else list(self.devices).index(device)
+
+    @property
+    def world_size(self) -> int:
+        return len({self.rank_of(d) for d in self.devices})
 
     def placement(self, device: str) -> tuple[str, ...]:
         """Physical devices a node placed on `device` (a device or a group) runs on."""

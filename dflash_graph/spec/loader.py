@@ -10,9 +10,9 @@ from pathlib import Path as FsPath
 from typing import Any
 
 from ..errors import GraphError, Location, Problem, did_you_mean
-from ..units import canonical_dtype, parse_bytes
+from ..units import canonical_dtype, parse_bytes, parse_rate
 from . import schema
-from .document import DeviceSpec, GraphSpec, MemorySpec, ModelSpec, NodeSpec, frozen_map
+from .document import DeviceSpec, GraphSpec, LaunchSpec, MemorySpec, ModelSpec, NodeSpec, frozen_map
 from .toml_lines import LineIndex, Path, render_path
 
 
@@ -126,6 +126,7 @@ class _Builder:
         devices = self.build_devices(raw.get("devices", {}))
         groups = self.build_groups(raw.get("groups", {}) or {}, devices)
         memory = self.check_keys(raw.get("memory", {}), schema.MEMORY, ("memory",))
+        launch = self.build_launch(raw.get("launch", {}))
         models = self.build_models(raw.get("models", {}) or {})
         nodes = self.build_nodes(raw.get("nodes", []))
         train = self.check_keys(raw.get("train", {}), schema.TRAIN, ("train",))
@@ -138,7 +139,19 @@ class _Builder:
             groups=frozen_map(groups), models=frozen_map(models), nodes=tuple(nodes),
             memory=MemorySpec(bool(memory["expandable_segments"]), memory["max_split_size"]),
             train=frozen_map(train), data=frozen_map({**data, "_base": str(self.base)}), lines=self.lines,
+            launch=launch,
         )
+
+    def build_launch(self, table: Any) -> LaunchSpec:
+        v = self.check_keys(table, schema.LAUNCH, ("launch",))
+        if not v:
+            return LaunchSpec()
+        t = v["stall_timeout"]
+        if t is not None and not (isinstance(t, (int, float)) and 0 < t < 86400):
+            self.err(("launch", "stall_timeout"), f"stall_timeout must be between 0 and 86400 seconds, got {t!r}",
+                     hint="e.g. stall_timeout = 30.0")
+            t = 30.0
+        return LaunchSpec(v["nccl_memory_per_peer"], float(t), v["backend"])
 
     def load_model_configs(self) -> None:
         """Replace `config = "file.json"` by the file's content so that --set can reach its keys."""
@@ -182,9 +195,35 @@ class _Builder:
             if v.get("torch") is not None and not _valid_torch_device(v["torch"]):
                 self.err(("devices", name, "torch"), f"'{v['torch']}' is not a torch device",
                          hint="use 'cpu', 'cuda', 'cuda:N' or 'meta'")
+            rank, rate = v.get("rank"), None
+            if rank is not None and rank < 0:
+                self.err(("devices", name, "rank"), f"rank must be 0 or more, got {rank}")
+            if v.get("throughput") is not None:
+                try:
+                    rate = parse_rate(v["throughput"])
+                except ValueError as e:
+                    self.err(("devices", name, "throughput"), str(e))
             if v.get("capacity") is not None:
-                out[name] = DeviceSpec(name, v["torch"] or "cpu", v["capacity"] or 0, v["outside_allocator"] or 0)
+                out[name] = DeviceSpec(name, v["torch"] or "cpu", v["capacity"] or 0, v["outside_allocator"] or 0,
+                                       rank, rate)
+        self.check_ranks(out)
         return out
+
+    def check_ranks(self, devs: Mapping[str, DeviceSpec]) -> None:
+        """Either no device declares a rank (one rank per device), or every device does, with ranks 0..R-1."""
+        declared = {n: d.rank for n, d in devs.items() if d.rank is not None}
+        if not declared:
+            return
+        missing = [n for n in devs if n not in declared]
+        if missing:
+            self.err(("devices", missing[0]), f"device '{missing[0]}' has no rank, but "
+                     f"{', '.join(sorted(declared))} declare one", hint="declare `rank` on every device or on none")
+            return
+        ranks = sorted(set(declared.values()))
+        if ranks != list(range(len(ranks))):
+            gap = next(i for i in range(len(ranks) + 1) if i not in ranks)
+            self.err(("devices",), f"ranks must be 0..{len(ranks) - 1} with none skipped; rank {gap} owns no device",
+                     hint="ranks in use: " + ", ".join(map(str, ranks)))
 
     def build_groups(self, groups: Any, devices: Mapping) -> dict[str, tuple[str, ...]]:
         out = {}

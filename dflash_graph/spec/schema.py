@@ -43,8 +43,24 @@ DIMS = Section("dims", "Named symbolic sizes. A value is a positive integer or a
 DEVICE = Section("devices.<name>", "A physical device. The name is what nodes and groups refer to.", (
     Key("torch", "str", "The torch device it maps to: `cuda:3`, `cpu`.", required=True),
     Key("capacity", "size", "Total memory, e.g. \"94.97 GiB\" (what torch.cuda.mem_get_info reports as total).", required=True),
-    Key("outside_allocator", "size", "Memory not available to tensors: CUDA context, cuBLAS/NCCL workspaces, "
-        "other processes.", default="0 B"),
+    Key("outside_allocator", "size", "Memory not available to tensors: CUDA context, cuBLAS workspaces, "
+        "other processes (NCCL's buffers are [launch] nccl_memory_per_peer).", default="0 B"),
+    Key("rank", "int", "The torchrun rank (process) that owns this device. Absent on every device: one rank per "
+        "device, in the order of [devices]. Several devices may share a rank (two CPU replicas in one process)."),
+    Key("throughput", "str", "Sustained compute of this device, e.g. \"400 TFLOP/s\": check predicts each "
+        "device's busy time per step from the ops' FLOPs and names the bottleneck. Say where the figure comes from "
+        "in a comment."),
+))
+
+LAUNCH = Section("launch", "How `torchrun -m dflash_graph run` runs the graph, one process per rank "
+                 "(docs/distributed.md).", (
+    Key("nccl_memory_per_peer", "size", "GPU memory NCCL keeps outside PyTorch's allocator for each other rank a "
+        "CUDA device sends to or receives from (its p2p connection buffers). Added to the device's "
+        "outside_allocator when the device talks to another rank.", default="256 MiB"),
+    Key("stall_timeout", "float", "Seconds a rank waits on a send or receive before it calls the peer stalled "
+        "and stops the run.", default=30.0),
+    Key("backend", "str", "torch.distributed backend: `auto` picks nccl when every device is CUDA, gloo when "
+        "every device is a CPU.", default="auto", choices=("auto", "gloo", "nccl")),
 ))
 
 GROUPS = Section("groups", "Device groups for replicated nodes: `targets = [\"gpu0\", \"gpu1\"]`. A node on a group "
@@ -104,10 +120,11 @@ TOP = Section("(top level)", "The sections of a graph file.", (
     Key("devices", "table", "See [devices.<name>].", required=True),
     Key("groups", "table", "See [groups]."),
     Key("memory", "table", "See [memory]."),
+    Key("launch", "table", "See [launch]."),
     Key("models", "table", "See [models.<name>]."),
     Key("nodes", "list", "See [[nodes]].", required=True),
     Key("train", "table", "See [train]."),
     Key("data", "table", "See [data]."),
 ))
 
-SECTIONS = (TOP, GRAPH, DIMS, DEVICE, GROUPS, MEMORY, MODEL, NODE, TRAIN, DATA)
+SECTIONS = (TOP, GRAPH, DIMS, DEVICE, GROUPS, MEMORY, LAUNCH, MODEL, NODE, TRAIN, DATA)

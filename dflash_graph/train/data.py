@@ -1,6 +1,11 @@
 """Training data: JSONL text, a local tokenizer, packing into sequences of `seq` tokens with document
 boundaries kept (position ids restart at each document; the target runs documents separately and the drafter's
-mask never crosses them). The position in the corpus is part of the checkpoint, so --resume continues exactly."""
+mask never crosses them).
+
+Replica r of a group reads its own shard: the documents at positions r, r + R, r + 2R, ... of each epoch's
+shuffled order. The shard is the same in one process and under torchrun (where each target rank reads only its
+own), so both runs see the same batches. A shard's position is the number of sequences it has packed, so a
+checkpoint records one number and --resume fast-forwards to it exactly."""
 
 from __future__ import annotations
 
@@ -14,10 +19,18 @@ from ..errors import GraphError, Location, Problem
 
 
 class PackedData:
-    def __init__(self, corpus: Path, tokenizer: Path, seq: int, text_key: str = "text", seed: int = 0):
+    def __init__(self, corpus: Path, tokenizer: Path, seq: int, text_key: str = "text", seed: int = 0,
+                 shard: int = 0, num_shards: int = 1, docs: "PackedData | None" = None):
+        self.seq, self.seed = seq, seed
+        self.shard, self.num_shards = shard, num_shards
+        self.batches = 0
+        if docs is not None:             # another shard of the same corpus: share its tokenized documents
+            self.eos, self.docs = docs.eos, docs.docs
+            self.epoch, self.cursor = 0, 0
+            self._order = self._permutation()
+            return
         from ..models.nn.qwen3_5 import load_tokenizer
 
-        self.seq, self.seed = seq, seed
         if not corpus.exists():
             raise GraphError(Problem(f"corpus not found: {corpus}", Location(str(corpus)), hint="[data] corpus is "
                                      "relative to the graph file"))
@@ -46,7 +59,8 @@ class PackedData:
     def _permutation(self) -> list[int]:
         order = list(range(len(self.docs)))
         random.Random(self.seed * 1000003 + self.epoch).shuffle(order)
-        return order
+        mine = order[self.shard::self.num_shards]
+        return mine or order[: 1]        # a corpus smaller than the number of shards: every shard reads doc 0
 
     def _next_doc(self) -> list[int]:
         if self.cursor >= len(self._order):
@@ -70,6 +84,7 @@ class PackedData:
             mask += [True] * (len(doc) - 1) + [False]          # the last token (eos) has nothing to predict
             if len(ids) == self.seq:
                 break
+        self.batches += 1
         pad = self.seq - len(ids)
         ids += [self.eos] * pad
         pos += list(range(pad))
@@ -78,8 +93,9 @@ class PackedData:
                 "loss_mask": torch.tensor(mask, dtype=torch.bool)}
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+        return {"batches": self.batches}
 
-    def load_state(self, s: dict) -> None:
-        self.epoch, self.cursor = int(s["epoch"]), int(s["cursor"])
-        self._order = self._permutation()
+    def skip(self, n: int) -> None:
+        """Fast-forward past n packed sequences (what --resume does: the checkpoint records how many)."""
+        while self.batches < n:
+            self.next_batch()

@@ -1,11 +1,20 @@
 """The training loop: data -> interpreter (forward per replica, backward) -> AdamW with warmup and clipping,
-gradient accumulation, metrics, memory report, checkpoints, Ctrl-C safe."""
+gradient accumulation, metrics, memory report, checkpoints, Ctrl-C safe.
+
+The same loop runs in one process (every device local) and under torchrun (each rank runs the nodes of its own
+devices, exec/distributed.py). Per micro-batch the replicas are visited in a fixed order r = 0..R-1; a target
+rank produces replica r's batch from its own data shard and sends it, the rank that owns the trainable model
+(the writer: optimizer, metrics, checkpoints) consumes them in that order. Replica r of micro-batch m draws its
+random anchors from a generator seeded by (seed, m, r), so both modes draw the same anchors and resume needs no
+generator state."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -15,6 +24,9 @@ from typing import Any
 import attrs
 import torch
 
+from ..analysis.launch import analyze_launch, device_for
+from ..analysis.memory import grad_nodes
+from ..errors import GraphError, Problem
 from ..exec.devices import torch_devices
 from ..exec.interpreter import Interpreter
 from ..exec.models import ModelStore
@@ -34,6 +46,7 @@ class RunOptions:
     strict: bool = False
     progress: bool = True
     track_memory: bool = True
+    distributed: bool = False      # under torchrun: this process is one rank
 
 
 def _lr_lambda(warmup: int, total: int):
@@ -45,6 +58,10 @@ def _lr_lambda(warmup: int, total: int):
     return f
 
 
+class Stop(Exception):
+    """Ctrl-C under torchrun: every rank stops at its next node; the writer keeps the last completed step."""
+
+
 class Trainer:
     def __init__(self, plan: Plan, opts: RunOptions):
         self.plan, self.opts = plan, opts
@@ -52,62 +69,170 @@ class Trainer:
         spec = typed.ctx.spec
         self.cfg = dict(spec.train)
         self.steps = opts.steps if opts.steps is not None else int(self.cfg["steps"])
-        self.tdev = torch_devices(spec, opts.device_map)
-        seed = int(self.cfg["seed"])
-        torch.manual_seed(seed)
-        self.store = ModelStore(typed, self.tdev, seed)
-        self.store.preload()
-        self.interp = Interpreter(typed, self.store, self.tdev, strict=opts.strict, seed=seed,
-                                  track_memory=opts.track_memory and not any(t.startswith("cuda") for t in self.tdev.values()))
-        self.params = self.store.trainable_parameters()
-        if not self.params:
-            from ..errors import GraphError, Problem
+        self.accum = int(self.cfg["grad_accum"])
+        self.launch = analyze_launch(typed)
+        grads = grad_nodes(typed)
+        if not grads:
             raise GraphError(Problem("nothing to train: no node uses a trainable model", spec.loc("models"),
                                      hint="set trainable = true on the drafter model"))
-        betas = tuple(self.cfg["betas"])
-        # NOTE [Trainable memory] (analysis/memory.py): AdamW steps fp32 masters; a non-fp32 module gets its
-        # weights copied back after each step
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, lr=float(self.cfg["lr"]), betas=betas,
-                                     weight_decay=float(self.cfg["weight_decay"]))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(self.cfg["warmup_steps"]), self.steps))
-        base = Path(spec.data.get("_base", "."))
-        if "corpus" not in spec.data:
-            from ..errors import GraphError, Problem
-            raise GraphError(Problem("the graph has no [data] section", spec.loc(),
-                                     hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
-        seq = self._seq_len()
-        self.data = PackedData(base / spec.data["corpus"], base / spec.data["tokenizer"], seq,
-                               spec.data.get("text_key", "text"), seed)
+        R = self.launch.replicas
+        writer_ranks = {spec.rank_of(device_for(typed, typed.graph[n].device, r)) for n in grads for r in range(R)}
+        self.comm = None
+        self.rank = 0
+        local = None
+        if opts.distributed:
+            from ..exec.distributed import Comm, check_launch
+
+            check_launch(typed, self.launch, writer_ranks)
+            by_rank = {k: self.launch.rank_devices(k) for k in range(self.launch.world_size)}
+            self.tdev = torch_devices(spec, opts.device_map, only=by_rank[int(__import__("os").environ["RANK"])])
+            self.comm = Comm(self.launch, by_rank, spec.launch.stall_timeout, lambda d: self.tdev[d])
+            self.rank = self.comm.rank
+            local = frozenset(by_rank[self.rank])
+        else:
+            self.tdev = torch_devices(spec, opts.device_map)
+        self.writer = min(writer_ranks) if self.comm is not None else 0
+        self.is_writer = self.rank == self.writer
+        self.seed = int(self.cfg["seed"])
+        torch.manual_seed(self.seed)
+        self.store = ModelStore(typed, self.tdev, self.seed)
+        self.store.preload(local)
+        local_cuda = any(self.tdev[d].startswith("cuda") for d in (local or self.tdev))
+        self.interp = Interpreter(typed, self.store, self.tdev, strict=opts.strict, seed=self.seed,
+                                  track_memory=opts.track_memory and not local_cuda, local=local, comm=self.comm)
+        if self.comm is not None:
+            self.interp.on_node = self._on_node
+        self.params = self.store.trainable_parameters() if self.is_writer else []
+        self.masters, self.opt, self.sched = [], None, None
+        if self.is_writer:
+            betas = tuple(self.cfg["betas"])
+            # NOTE [Trainable memory] (analysis/memory.py): AdamW steps fp32 masters; a non-fp32 module gets its
+            # weights copied back after each step
+            self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)
+                            for p in self.params]
+            self.opt = torch.optim.AdamW(self.masters, lr=float(self.cfg["lr"]), betas=betas,
+                                         weight_decay=float(self.cfg["weight_decay"]))
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(self.cfg["warmup_steps"]),
+                                                                                self.steps))
         self.loss_node = next(n.id for n in typed.graph.nodes if registry.get(n.op).name == "loss")
+        # data: one shard per replica whose token_input runs in this process
+        base = Path(spec.data.get("_base", "."))
+        token_nodes = [n for n in typed.graph.nodes if registry.get(n.op).traits.pure is False and not n.inputs]
+        self.shards: dict[int, PackedData] = {}
+        mine = [r for r in range(R) if any(self.interp.role(n, r) == "run" for n in token_nodes)]
+        if mine:
+            if "corpus" not in spec.data:
+                raise GraphError(Problem("the graph has no [data] section", spec.loc(),
+                                         hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
+            seq = self._seq_len()
+            first = None
+            for r in mine:
+                self.shards[r] = PackedData(base / spec.data["corpus"], base / spec.data["tokenizer"], seq,
+                                            spec.data.get("text_key", "text"), self.seed, shard=r, num_shards=R,
+                                            docs=first)
+                first = first or self.shards[r]
         self.start_step = 0
-        if opts.resume is not None:
+        if opts.resume is not None and self.is_writer:
             state, ck = checkpoint.load(opts.resume)
             checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator, self.masters)
-            self.data.load_state(state["data"])
+            if "batches" not in state.get("data", {}):
+                raise GraphError(Problem(f"{ck} was written by an older dflash-graph (data position as epoch and "
+                                         "cursor, before per-replica shards)", None,
+                                         hint="start a new run in another --out directory"))
             self.start_step = int(state["step"])
-        self.tokens_per_step = seq * self.interp.replicas * int(self.cfg["grad_accum"])
+        if self.comm is not None:
+            self.start_step = int(self.comm.broadcast(self.start_step, src=self.writer))
+            self.comm.plan_slots(self.start_step, self.steps, self.accum, R)
+        for shard in self.shards.values():
+            shard.skip(self.start_step * self.accum)
+        self.tokens_per_step = self._seq_len() * R * self.accum
+        self.routes = [{t.node: t for t in self.launch.transfers if t.replica == r and t.src_rank == self.rank}
+                       for r in range(R)]
+        self.receives = [any(t.replica == r and t.dst_rank == self.rank for t in self.launch.transfers)
+                         for r in range(R)]
+        self._step_now = self.start_step
+        self._stop_requested = False
 
     def _seq_len(self) -> int:
         typed = self.plan.typed
         n = next(n for n in typed.graph.nodes if n.op == "token_input")
         return typed.outputs_of(n.id)["input_ids"].sizes[0]
 
+    def _on_node(self, node: str, r: int) -> None:
+        if self._stop_requested:
+            raise Stop()
+        self.comm.set_where(self._step_now + 1, node, r)
+
+    def _generator(self, step: int, micro: int, r: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + step * self.accum + micro) * 4096 + r)
+
+    def _alloc(self, t) -> torch.Tensor:
+        """A receive buffer for a cross-rank transfer, shaped and typed from the checked graph, charged to the
+        receiving device (it is the transfer's output once it arrives)."""
+        from ..exec.models import DTYPES
+
+        from ..ir.graph import Ref
+
+        ty = self.plan.typed.types[Ref(t.node, "out")]
+        tr = self.interp.tracker
+        if tr is not None:
+            prev = (tr.device, tr.node)
+            tr.charge(t.dst_device, None)
+        dtype = DTYPES.get(ty.dtype) or getattr(torch, ty.dtype)
+        buf = torch.empty(tuple(ty.sizes), dtype=dtype, device=self.tdev[t.dst_device])
+        if tr is not None:
+            tr.charge(*prev)
+        return buf
+
     # -- one step ----------------------------------------------------------------------------------------------
-    def step(self) -> dict[str, Any]:
-        accum = int(self.cfg["grad_accum"])
+    def step(self, step: int) -> dict[str, Any]:
+        accum = self.accum
         R = self.interp.replicas
+        comm = self.comm
         losses, accs = [], []
-        for _ in range(accum):
-            batches = [self.data.next_batch() for _ in range(R)]
+        ranks: dict[int, list[float]] = {}
+        t_step = time.perf_counter()
+        wait0 = comm.wait_seconds if comm else 0.0
+        for a in range(accum):
             for r in range(R):
-                res = self.interp.run_replica(r, lambda rr: batches[rr])
-                out = res[self.loss_node]
-                with self.interp.window(r, "backward"):
-                    (out["loss"] / (R * accum)).backward()
-                losses.append(float(out["loss"].detach()))
-                accs.append(out["slot_acc"].detach().float().cpu())
+                if not self.interp.runs_replica(r):
+                    continue
+                t0 = time.perf_counter()
+                w0 = comm.wait_seconds if comm else 0.0
+                inbox = None
+                if comm is not None and self.receives[r]:
+                    inbox, headers = comm.receive(step, a, r, self._alloc)
+                    for src, (b, w) in headers.items():
+                        acc_ = ranks.setdefault(src, [0.0, 0.0])
+                        acc_[0] += b
+                        acc_[1] += w
+                res = self.interp.run_replica(r, lambda rr: self.shards[rr].next_batch(),
+                                              generator=self._generator(step, a, r), inbox=inbox, sends=self.routes[r])
+                inbox = None
+                out = res.get(self.loss_node)
+                if out is not None:
+                    with self.interp.window(r, "backward"):
+                        (out["loss"] / (R * accum)).backward()
+                    losses.append(float(out["loss"].detach()))
+                    accs.append(out["slot_acc"].detach().float().cpu())
                 del res, out
+                if comm is not None:
+                    if self.receives[r]:
+                        comm.release(self._alloc)
+                    if self.routes[r]:
+                        w = comm.wait_seconds - w0
+                        comm.send_header(step, a, r, time.perf_counter() - t0 - w, w)
+        m: dict[str, Any] = {}
+        if self.is_writer:
+            m = self._optimizer_step()
+            acc = torch.stack(accs).mean(0)
+            m.update({"loss": sum(losses) / len(losses), "slot_acc": [round(float(a), 4) for a in acc.tolist()]})
+        wait = (comm.wait_seconds - wait0) if comm else 0.0
+        ranks[self.rank] = [time.perf_counter() - t_step - wait, wait]
+        m["ranks"] = {str(k): {"busy_s": round(v[0], 4), "wait_s": round(v[1], 4)} for k, v in sorted(ranks.items())}
+        return m
+
+    def _optimizer_step(self) -> dict[str, Any]:
         tr = self.interp.tracker
         if tr is not None:
             tr.charge(self.interp._backward_device(0), "optimizer")
@@ -125,33 +250,37 @@ class Trainer:
                 if m is not p:
                     p.copy_(m)
                     p.grad = None
-        acc = torch.stack(accs).mean(0)
-        return {"loss": sum(losses) / len(losses), "slot_acc": [round(float(a), 4) for a in acc.tolist()],
-                "grad_norm": gnorm, "lr": self.sched.get_last_lr()[0]}
+        return {"grad_norm": gnorm, "lr": self.sched.get_last_lr()[0]}
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
         out = self.opts.out
         out.mkdir(parents=True, exist_ok=True)
+        if self.comm is not None:
+            self._write_rank_file()
         metrics_path = out / "metrics.jsonl"
         mode = "a" if self.opts.resume is not None and metrics_path.exists() else "w"
-        if mode == "a":   # lines past the checkpoint (a hard stop) are dropped: the resumed run writes them again
+        if self.is_writer and mode == "a":   # lines past the checkpoint (a hard stop) are dropped: rewritten below
             kept = [ln for ln in metrics_path.read_text().splitlines() if ln.strip()
                     and json.loads(ln).get("step", 0) <= self.start_step]
             metrics_path.write_text("".join(ln + "\n" for ln in kept))
         tr = self.interp.tracker
-        cuda = sorted({t for t in self.tdev.values() if t.startswith("cuda")})
+        cuda = sorted({self.tdev[d] for d in self.interp.local if self.tdev[d].startswith("cuda")})
         for d in cuda:
             torch.cuda.reset_peak_memory_stats(d)
         ck_every = int(self.cfg["checkpoint_every"])
         step = self.start_step
         t_start = time.perf_counter()
         interrupted = hard_stop = False
-        # Ctrl-C asks to stop: the step in flight finishes (an optimizer step is never left half done), then a
-        # checkpoint is saved. A second Ctrl-C stops at once and keeps the previous checkpoint.
+        # Ctrl-C asks to stop. In one process the step in flight finishes (an optimizer step is never left half
+        # done), then a checkpoint is saved; a second Ctrl-C stops at once and keeps the previous checkpoint.
+        # Under torchrun every rank stops at its next node and the writer saves the last completed step.
         stop = {"requested": False}
 
         def on_sigint(signum, frame):
+            if self.comm is not None:
+                self._stop_requested = True
+                return
             if stop["requested"]:
                 raise KeyboardInterrupt
             stop["requested"] = True
@@ -164,60 +293,113 @@ class Trainer:
         if tr is not None:
             tr.__enter__()
             self.interp.charge_weights()
+        lost = None
+        mf = open(metrics_path, mode) if self.is_writer else None
         try:
-            with open(metrics_path, mode) as mf:
-                while step < self.steps:
-                    t0 = time.perf_counter()
-                    m = self.step()
-                    dt = time.perf_counter() - t0
-                    step += 1
+            while step < self.steps:
+                self._step_now = step
+                t0 = time.perf_counter()
+                m = self.step(step)
+                dt = time.perf_counter() - t0
+                step += 1
+                if self.is_writer:
                     rec = {"step": step, "loss": round(m["loss"], 6), "tokens_per_s": round(self.tokens_per_step / dt, 1),
-                           "slot_acc": m["slot_acc"], "acc": round(sum(m["slot_acc"][1:]) / max(len(m["slot_acc"]) - 1, 1), 4),
+                           "slot_acc": m["slot_acc"],
+                           "acc": round(sum(m["slot_acc"][1:]) / max(len(m["slot_acc"]) - 1, 1), 4),
                            "lr": m["lr"], "grad_norm": round(m["grad_norm"], 4), "step_seconds": round(dt, 4),
-                           "memory_bytes": self._memory_now()}
+                           "ranks": m["ranks"], "memory_bytes": self._memory_now()}
                     mf.write(json.dumps(rec) + "\n")
                     mf.flush()
                     self._progress(rec, t_start)
-                    if stop["requested"]:
-                        interrupted = True
-                        break
-                    if ck_every and step % ck_every == 0 and step < self.steps:
-                        self._save(step)
+                if stop["requested"]:
+                    interrupted = True
+                    break
+                if self.is_writer and ck_every and step % ck_every == 0 and step < self.steps:
+                    self._save(step)
         except KeyboardInterrupt:
             interrupted = hard_stop = True
+        except Stop:
+            interrupted = True
+        except Exception as e:
+            from ..exec.distributed import RankLost
+
+            if not isinstance(e, RankLost):
+                raise
+            lost = e
         finally:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
             if tr is not None:
                 tr.__exit__(None, None, None)
-        if self.opts.progress and sys.stdout.isatty():
+            if mf is not None:
+                mf.close()
+        if self.opts.progress and sys.stdout.isatty() and self.is_writer:
             print()
+        if self.comm is not None and (lost is not None or interrupted):
+            return self._stop_distributed(step, lost)
         if hard_stop:
             print(f"stopped during step {step + 1}: kept the last saved checkpoint in {out / 'checkpoint'} (if any); "
                   f"continue with --resume {out}", file=sys.stderr)
             return 130
-        self._save(step)
+        if self.is_writer:
+            self._save(step)
         self._write_memory()
+        if self.comm is not None:
+            self.comm.close()
         if interrupted:
             print(f"interrupted: checkpoint of step {step} saved to {out / 'checkpoint'}; continue with --resume {out}",
                   file=sys.stderr)
             return 130
-        print(f"done: {step} steps; metrics in {metrics_path}, memory report in {out / 'memory.json'}, "
-              f"checkpoint in {out / 'checkpoint'}")
+        if self.is_writer:
+            print(f"done: {step} steps; metrics in {metrics_path}, memory report in {out / 'memory.json'}, "
+                  f"checkpoint in {out / 'checkpoint'}")
         return 0
 
+    def _stop_distributed(self, step: int, lost) -> int:
+        """A rank was lost or Ctrl-C was pressed under torchrun: say why, keep what is consistent, exit at once.
+        The writer's weights and optimizer are those of the last completed step (a stop is only taken between
+        nodes, never inside an optimizer step), so that step is checkpointed. os._exit: pending receives from a
+        dead peer would otherwise keep the process alive."""
+        from ..exec.distributed import EXIT_LOST
+
+        code = EXIT_LOST if lost is not None else 130
+        msg = str(lost) if lost is not None else f"rank {self.rank}: stopped by Ctrl-C"
+        kept = ""
+        if self.is_writer and step > self.start_step:
+            try:
+                self._save(step)
+                kept = f"; checkpoint of step {step} saved to {self.opts.out / 'checkpoint'}, continue with " \
+                       f"--resume {self.opts.out}"
+            except Exception as e:   # the disk, not the run: say so, keep the exit status
+                kept = f"; saving the checkpoint of step {step} failed: {e}"
+        elif self.is_writer:
+            kept = "; no step completed since the last checkpoint"
+        print(f"dflash-graph: {msg}{kept}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+
+    def _write_rank_file(self) -> None:
+        d = self.opts.out / "ranks"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank{self.rank}.json").write_text(json.dumps({
+            "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "devices": sorted(self.interp.local), "writer": self.is_writer,
+            "torch": {k: self.tdev[k] for k in sorted(self.interp.local)}}, indent=2))
+
     def _save(self, step: int) -> None:
-        checkpoint.save(self.opts.out, step, self.store.drafters, self.opt, self.sched, self.data.state(),
-                        self.interp.generator, {"graph": self.plan.typed.ctx.spec.name}, self.masters)
+        checkpoint.save(self.opts.out, step, self.store.drafters, self.opt, self.sched,
+                        {"batches": step * self.accum}, self.interp.generator,
+                        {"graph": self.plan.typed.ctx.spec.name}, self.masters)
 
     def _memory_now(self) -> dict[str, int]:
         tr = self.interp.tracker
         if tr is not None:
-            return {d: int(tr.peak[d]) for d in self.plan.typed.ctx.spec.devices}
+            return {d: int(tr.peak[d]) for d in self.plan.typed.ctx.spec.devices if d in self.interp.local}
         cm = self.interp.cuda_meter
+        local = [d for d in self.interp.local if self.tdev[d].startswith("cuda")]
         if cm is not None:
-            return {d: int(cm.device_peak.get(d, (0, 0))[0]) for d, t in self.tdev.items() if t.startswith("cuda")}
-        return {d: int(torch.cuda.max_memory_allocated(t)) for d, t in self.tdev.items() if t.startswith("cuda")}
+            return {d: int(cm.device_peak.get(d, (0, 0))[0]) for d in local}
+        return {d: int(torch.cuda.max_memory_allocated(self.tdev[d])) for d in local}
 
     def _progress(self, rec: dict, t_start: float) -> None:
         done = rec["step"] - self.start_step
@@ -234,16 +416,18 @@ class Trainer:
         elif rec["step"] % int(self.cfg["log_every"]) == 0 or left == 0:
             print(line, flush=True)
 
-    def _write_memory(self) -> None:
+    def _local_memory(self) -> tuple[dict, dict]:
+        """This process's measured peaks, per local device and per node, next to the prediction."""
         mem = self.plan.memory
         tr = self.interp.tracker
-        out: dict[str, Any] = {"graph": self.plan.typed.ctx.spec.name, "rewritten": self.plan.rewritten,
-                               "measured_with": "torch.cuda.max_memory_allocated/reserved" if tr is None else
-                               "live tensor storages per logical device (exec/memtrack.py, as torch's MemTracker)",
-                               "devices": {}, "nodes": {}}
+        devices: dict[str, Any] = {}
+        nodes: dict[str, Any] = {}
         for name, d in mem.devices.items():
+            if name not in self.interp.local:
+                continue
             tdev = self.tdev[name]
-            rec = {"torch": tdev, "predicted_peak_bytes": d.live_peak_bytes if tr is not None else d.peak_bytes,
+            rec = {"torch": tdev, "rank": self.rank,
+                   "predicted_peak_bytes": d.live_peak_bytes if tr is not None else d.peak_bytes,
                    "predicted_peak_node": d.peak_node}
             if tr is not None:
                 rec["measured_peak_bytes"] = int(tr.peak[name])
@@ -259,21 +443,39 @@ class Trainer:
                     rec["reserved_ratio"] = round(rec["measured_reserved_bytes"] / rec["predicted_reserved_bytes"], 4)
             if rec.get("measured_peak_bytes"):
                 rec["ratio"] = round(rec["measured_peak_bytes"] / max(rec["predicted_peak_bytes"], 1), 4)
-            out["devices"][name] = rec
-        if tr is not None:
-            for name, d in mem.devices.items():
+            devices[name] = rec
+            if tr is not None:
                 for node, pred in d.node_peaks.items():
                     if node in tr.node_peak and node in self.plan.typed.graph:
-                        out["nodes"].setdefault(node, {})[name] = {"predicted_peak_bytes": pred,
-                                                                   "measured_peak_bytes": int(tr.node_peak[node])}
-        cm = self.interp.cuda_meter
-        if cm is not None:
-            # per node on CUDA: the allocator's own peaks in a window around the node (see exec/memtrack.py)
-            for name, d in mem.devices.items():
+                        nodes.setdefault(node, {})[name] = {"predicted_peak_bytes": pred,
+                                                            "measured_peak_bytes": int(tr.node_peak[node])}
+            cm = self.interp.cuda_meter
+            if cm is not None:
+                # per node on CUDA: the allocator's own peaks in a window around the node (see exec/memtrack.py)
                 for node, pred in d.node_peaks.items():
                     if node in cm.node_peak and node in self.plan.typed.graph:
                         a, r = cm.node_peak[node]
-                        out["nodes"].setdefault(node, {})[name] = {"predicted_peak_bytes": pred,
-                                                                   "measured_peak_bytes": int(a),
-                                                                   "measured_reserved_bytes": int(r)}
+                        nodes.setdefault(node, {})[name] = {"predicted_peak_bytes": pred,
+                                                            "measured_peak_bytes": int(a),
+                                                            "measured_reserved_bytes": int(r)}
+        return devices, nodes
+
+    def _write_memory(self) -> None:
+        devices, nodes = self._local_memory()
+        if self.comm is not None:
+            gathered = self.comm.gather((devices, nodes), dst=self.writer)
+            if not self.is_writer:
+                return
+            devices, nodes = {}, {}
+            for devs, nds in gathered:
+                devices.update(devs)
+                for k, v in nds.items():
+                    nodes.setdefault(k, {}).update(v)
+        tr = self.interp.tracker
+        out: dict[str, Any] = {"graph": self.plan.typed.ctx.spec.name, "rewritten": self.plan.rewritten,
+                               "processes": 1 if self.comm is None else self.comm.world,
+                               "measured_with": "torch.cuda.max_memory_allocated/reserved" if tr is None else
+                               "live tensor storages per logical device (exec/memtrack.py, as torch's MemTracker)",
+                               "devices": {d: devices[d] for d in self.plan.memory.devices if d in devices},
+                               "nodes": nodes}
         (self.opts.out / "memory.json").write_text(json.dumps(out, indent=2))

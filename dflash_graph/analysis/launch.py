@@ -1,0 +1,168 @@
+"""The torchrun launch of a graph, statically: which rank owns each device, which transfers cross ranks (and so
+become send/recv), what distribution adds to each device's memory, and each device's busy time per step.
+
+One rank per device by default, in the order of [devices]; `rank` on the devices declares another map. A node
+placed on a group runs on the group's r-th device for replica r (`device_for`), exactly as the interpreter and the
+memory model run it. No torch here: `check` uses this module, `exec/distributed.py` runs what it describes.
+
+Busy time: each node's forward FLOPs come from its op's declared cost; a node that autograd records runs a
+backward of twice its forward when it holds trainable weights (gradients of inputs and of weights) and of once
+its forward otherwise (gradients of inputs only): the 2N + 4N FLOPs per parameter and token of Kaplan et al.
+2020, section 2.1. Time is FLOPs over the device's declared `throughput`. Transfers and the optimizer step are
+not counted (their FLOPs are not declared).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+from ..ops import registry
+from .infer import Typed
+
+
+@attrs.frozen
+class CrossTransfer:
+    node: str
+    replica: int
+    src_device: str
+    dst_device: str
+    src_rank: int
+    dst_rank: int
+    nbytes: int
+    queue: int
+
+
+@attrs.frozen
+class DeviceLaunch:
+    name: str
+    rank: int
+    peers: tuple[int, ...]            # other ranks this device sends to or receives from
+    nccl_bytes: int                   # declared NCCL memory outside the allocator (CUDA devices with peers)
+    receive_queue_bytes: int          # q receive buffers per incoming cross-rank transfer (what check counts)
+    staging_bytes: int                # send/recv staging copies (0: every op returns contiguous tensors)
+    flops: int                        # forward + backward FLOPs per optimizer step
+    busy_seconds: float | None        # flops / throughput; None without a declared throughput
+
+
+@attrs.frozen
+class Launch:
+    world_size: int
+    backend: str
+    devices: Mapping[str, DeviceLaunch]
+    transfers: tuple[CrossTransfer, ...]
+    replicas: int
+
+    def rank_devices(self, rank: int) -> list[str]:
+        return [d for d, v in self.devices.items() if v.rank == rank]
+
+    def rank_busy(self) -> dict[int, float | None]:
+        out: dict[int, float | None] = {}
+        for v in self.devices.values():
+            if v.busy_seconds is None or out.get(v.rank, 0.0) is None:
+                out[v.rank] = None
+            else:
+                out[v.rank] = out.get(v.rank, 0.0) + v.busy_seconds
+        return out
+
+    def bottleneck(self) -> tuple[int, float] | None:
+        busy = self.rank_busy()
+        if not busy or any(b is None for b in busy.values()):
+            return None
+        rank = max(busy, key=lambda k: busy[k])
+        return rank, busy[rank]
+
+
+def replicas(typed: Typed) -> int:
+    return max((len(typed.ctx.devices_of(n.device)) for n in typed.graph.nodes), default=1)
+
+
+def device_for(typed: Typed, placement: str, r: int) -> str:
+    devs = typed.ctx.devices_of(placement)
+    return devs[r % len(devs)]
+
+
+def choose_backend(typed: Typed) -> str:
+    spec = typed.ctx.spec
+    if spec.launch.backend != "auto":
+        return spec.launch.backend
+    kinds = {d.torch.split(":")[0] for d in spec.devices.values()}
+    return "nccl" if kinds == {"cuda"} else "gloo"
+
+
+def cross_transfers(typed: Typed) -> tuple[CrossTransfer, ...]:
+    """Every (transfer node, replica) whose sender and receiver are on different ranks, in the order the graph
+    runs them: the order in which a sender sends and a receiver posts its receives."""
+    spec, g = typed.ctx.spec, typed.graph
+    out = []
+    for r in range(replicas(typed)):
+        for n in g.nodes:
+            if not registry.get(n.op).traits.movement:
+                continue
+            (_, src_ref), = n.inputs
+            src = device_for(typed, g[src_ref.node].device, r)
+            dst = device_for(typed, n.device, r)
+            if spec.rank_of(src) != spec.rank_of(dst):
+                out.append(CrossTransfer(n.id, r, src, dst, spec.rank_of(src), spec.rank_of(dst),
+                                         typed.types[src_ref].nbytes, int(typed.params[n.id].get("queue", 1))))
+    return tuple(out)
+
+
+def executions(typed: Typed, node_device: str, device: str) -> int:
+    """How often per micro-batch a node placed on `node_device` runs on `device` (once per replica index r whose
+    device it is)."""
+    return sum(1 for r in range(replicas(typed)) if device_for(typed, node_device, r) == device)
+
+
+def step_flops(typed: Typed) -> dict[str, int]:
+    """Forward + backward FLOPs per optimizer step on each device (see the module docstring)."""
+    from .memory import grad_nodes, node_cost
+
+    grads = grad_nodes(typed)
+    accum = int(typed.ctx.spec.train.get("grad_accum", 1) or 1)
+    out = {d: 0 for d in typed.ctx.spec.devices}
+    for n in typed.graph.nodes:
+        grad = n.id in grads
+        f = node_cost(typed, n, grad).flops
+        if grad:
+            op = registry.get(n.op)
+            m = typed.ctx.models.get(n.model) if n.model else None
+            own = bool(m and m.spec.trainable and op.components and
+                       any(m.component_owner(c).split(".")[0] == n.model for c in op.components))
+            f *= 3 if own else 2
+        for d in set(typed.ctx.devices_of(n.device)):
+            out[d] += f * executions(typed, n.device, d) * accum
+    return out
+
+
+def analyze_launch(typed: Typed) -> Launch:
+    spec = typed.ctx.spec
+    transfers = cross_transfers(typed)
+    peers: dict[str, set[int]] = {d: set() for d in spec.devices}
+    queue: dict[str, int] = {d: 0 for d in spec.devices}
+    seen: set[tuple[str, str]] = set()
+    for t in transfers:
+        peers[t.src_device].add(t.dst_rank)
+        peers[t.dst_device].add(t.src_rank)
+        if (t.node, t.dst_device) not in seen:          # one set of q buffers per transfer node and receiver
+            seen.add((t.node, t.dst_device))
+            queue[t.dst_device] += t.queue * t.nbytes
+    flops = step_flops(typed)
+    devices = {}
+    for name, d in spec.devices.items():
+        cuda = d.torch.startswith("cuda")
+        nccl = spec.launch.nccl_memory_per_peer * len(peers[name]) if cuda else 0
+        devices[name] = DeviceLaunch(
+            name=name, rank=spec.rank_of(name), peers=tuple(sorted(peers[name])), nccl_bytes=nccl,
+            receive_queue_bytes=queue[name], staging_bytes=0, flops=flops[name],
+            busy_seconds=flops[name] / d.throughput if d.throughput else None)
+    return Launch(spec.world_size, choose_backend(typed), devices, transfers, replicas(typed))
+
+
+def nccl_outside_bytes(typed: Typed) -> dict[str, int]:
+    """Per device, the NCCL memory the launch adds outside the allocator (used by the memory verdict)."""
+    key = ("nccl_outside",)
+    if key not in typed.cache:
+        typed.cache[key] = {n: d.nccl_bytes for n, d in analyze_launch(typed).devices.items()}
+    return typed.cache[key]

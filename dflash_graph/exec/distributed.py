@@ -1,0 +1,357 @@
+"""One process per rank under torchrun: transfers between ranks as torch.distributed send/recv into static,
+bounded receive queues, a heartbeat per rank, and a clean stop of every rank when one is lost.
+
+What crosses ranks, in which order, with which shape and dtype, comes from the checked graph
+(`analysis.launch.cross_transfers`), so nothing about shapes is exchanged at run time (as
+torch.distributed.pipelining does with its static receive buffers). Per micro-batch and replica a sender sends
+its transfers in graph order, then a small header (the replica's busy and waiting seconds, for metrics); the
+receiver posts the same receives in the same order. A receiving rank holds `queue` slots of receive buffers
+(`queue` on the transfer nodes): a slot is posted when it is free, so a sender whose receiver has no free slot
+blocks in its send, and the receiving rank holds exactly the buffers `check` counts.
+
+Faults. Every wait runs in a helper thread while the main thread watches it: a peer that stops beating (killed,
+frozen), a wait longer than [launch] stall_timeout, a failed send/recv, or SIGTERM from the launcher (torchrun
+stops the other ranks when one dies) all end in `RankLost`: a message naming the lost rank, its devices, the node
+it was running and the step, written first to the rendezvous store so that every rank reports the same cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ..analysis.launch import CrossTransfer, Launch
+from ..errors import GraphError, Problem
+
+BEAT_SECONDS = 0.5       # how often a rank publishes its heartbeat
+LOST_AFTER = 5.0         # a heartbeat unchanged this long: the rank is gone (killed or frozen)
+EXIT_LOST = 4            # exit status of a rank that stopped because another rank was lost
+HEADER = 5               # step, micro-batch, replica, busy seconds, waiting seconds
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+class RankLost(Exception):
+    """Another rank is gone or stalled; `str()` is the message every rank prints."""
+
+
+@attrs.define
+class Where:
+    step: int = 0
+    node: str = "(setup)"
+    replica: int | None = None
+
+    def text(self) -> str:
+        rep = f", replica {self.replica}" if self.replica is not None else ""
+        return f"step {self.step}, node '{self.node}'{rep}"
+
+
+class _Beat(threading.Thread):
+    """Publishes this rank's heartbeat (a counter, where it is) to the rendezvous store."""
+
+    def __init__(self, store: dist.Store, rank: int, where: Where, info: dict):
+        super().__init__(daemon=True, name="dflash-heartbeat")
+        self.store, self.rank, self.where, self.info = store, rank, where, info
+        self.count = 0
+        self.state = "running"
+        self.stop = threading.Event()
+
+    def publish(self) -> None:
+        self.count += 1
+        w = self.where
+        self.store.set(f"beat/{self.rank}", json.dumps({
+            "n": self.count, "step": w.step, "node": w.node, "replica": w.replica, "state": self.state, **self.info}))
+
+    def run(self) -> None:
+        while not self.stop.wait(BEAT_SECONDS):
+            try:
+                self.publish()
+            except Exception:      # the store is gone: the launcher is stopping; the main thread will notice
+                return
+
+
+class Comm:
+    """This rank's side of the launch: process group, receive queues, sends, heartbeat, fault reports."""
+
+    def __init__(self, launch: Launch, devices_of_rank: Mapping[int, Sequence[str]], stall_timeout: float,
+                 device_type: Callable[[str], str]):
+        self.launch = launch
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.devices_of_rank = {k: list(v) for k, v in devices_of_rank.items()}
+        self.stall = float(stall_timeout)
+        self.where = Where()
+        backend = launch.backend
+        if backend == "nccl":
+            torch.cuda.set_device(torch.device(device_type(self.devices_of_rank[self.rank][0])))
+        # setup (loading weights, building models) may take long: the process group's own timeout is generous;
+        # every wait in the training loop is bounded by stall_timeout instead (see _watch)
+        dist.init_process_group(backend, timeout=timedelta(seconds=max(600.0, self.stall)))
+        self.ctrl = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        prefix = f"dflash/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._store_addr = (host, port, prefix)
+        self.store = self._client()
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "devices": self.devices_of_rank[self.rank]}
+        self.beat = _Beat(self._client(), self.rank, self.where, info)
+        self.beat.publish()
+        self.beat.start()
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-comm")
+        self._terminated = False
+        self._seen: dict[int, tuple[int, float]] = {}     # peer -> (last beat counter, when it last changed)
+        self._last_check = 0.0
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # receive side: the slots this rank consumes, in order, and the posted ones
+        self.incoming = [t for t in launch.transfers if t.dst_rank == self.rank]
+        self.outgoing = [t for t in launch.transfers if t.src_rank == self.rank]
+        self._posted: deque = deque()
+        self._pending_slots: deque = deque()
+        self.wait_seconds = 0.0
+
+    def _client(self) -> dist.Store:
+        host, port, prefix = self._store_addr
+        s = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+        return dist.PrefixStore(prefix, s)
+
+    # -- who is where ------------------------------------------------------------------------------------------
+    def _on_sigterm(self, signum, frame) -> None:
+        self._terminated = True
+
+    def set_where(self, step: int, node: str, replica: int | None) -> None:
+        w = self.where
+        w.step, w.node, w.replica = step, node, replica
+        if self._terminated:
+            raise self._lost(None, "the launcher stopped this rank (SIGTERM)")
+
+    def _peer(self, rank: int) -> dict | None:
+        try:
+            if not self.store.check([f"beat/{rank}"]):
+                return None
+            return json.loads(self.store.get(f"beat/{rank}"))
+        except Exception:
+            return None
+
+    def _describe(self, rank: int, beat: dict | None) -> str:
+        devs = ", ".join(self.devices_of_rank.get(rank, []))
+        if beat is None:
+            return f"rank {rank} ({devs})"
+        rep = f", replica {beat['replica']}" if beat.get("replica") is not None else ""
+        return (f"rank {rank} ({devs}; pid {beat.get('pid')} on {beat.get('host')}) at step {beat.get('step')}, "
+                f"node '{beat.get('node')}'{rep}")
+
+    def _stale_peers(self, ranks: Sequence[int]) -> list[tuple[int, dict | None]]:
+        now = time.monotonic()
+        out = []
+        for k in ranks:
+            b = self._peer(k)
+            n = b["n"] if b else -1
+            last = self._seen.get(k)
+            if last is None or last[0] != n:
+                self._seen[k] = (n, now)
+            elif now - last[1] > LOST_AFTER and (b is None or b.get("state") == "running"):
+                out.append((k, b))
+        return out
+
+    def _lost(self, peer: int | None, why: str) -> RankLost:
+        """Settle the cause (the first rank to report one wins, in the store) and build the message."""
+        others = [k for k in range(self.world) if k != self.rank]
+        cause = None
+        if peer is not None:
+            cause = f"lost {self._describe(peer, self._peer(peer))}: {why}"
+        else:
+            # told to stop (SIGTERM) or a failed op without a known peer: find the rank whose heartbeat stopped
+            self.beat.state = "stopping"
+            try:
+                self.beat.publish()
+            except Exception:
+                pass
+            deadline = time.monotonic() + LOST_AFTER + 2 * BEAT_SECONDS
+            while time.monotonic() < deadline and cause is None:
+                cause = self._recorded_cause()
+                if cause is None:
+                    stale = self._stale_peers(others)
+                    if stale:
+                        k, b = stale[0]
+                        cause = f"lost {self._describe(k, b)}: its heartbeat stopped ({why})"
+                time.sleep(BEAT_SECONDS / 2)
+            if cause is None:
+                cause = f"stopped: {why}"
+        try:
+            first = self.store.compare_set("fault", "", cause).decode()
+        except Exception:
+            first = cause
+        self.beat.state = "failed"
+        return RankLost(f"rank {self.rank} ({', '.join(self.devices_of_rank[self.rank])}) stops at "
+                        f"{self.where.text()}: {first or cause}")
+
+    def _recorded_cause(self) -> str | None:
+        try:
+            if self.store.check(["fault"]):
+                return self.store.get("fault").decode() or None
+        except Exception:
+            return None
+        return None
+
+    def _watch(self, fut: Future, peer: int, what: str) -> None:
+        """Wait for a send or receive (running in a pool thread) while watching the peer and the clock."""
+        t0 = time.monotonic()
+        deadline = t0 + self.stall
+        while True:
+            try:
+                fut.result(timeout=0.05)
+                self.wait_seconds += time.monotonic() - t0
+                return
+            except FutureTimeout:
+                pass
+            except Exception as e:      # the op failed: the connection to the peer is gone
+                raise self._lost(peer, f"{what} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+            if self._terminated:
+                raise self._lost(None, "the launcher stopped this rank (SIGTERM)")
+            now = time.monotonic()
+            if now - self._last_check > 1.0:
+                self._last_check = now
+                cause = self._recorded_cause()
+                if cause:
+                    raise self._lost(None, cause)
+                if self._stale_peers([peer]):
+                    raise self._lost(peer, f"no heartbeat for {LOST_AFTER:.0f} s while this rank waited on {what}")
+            if now > deadline:
+                raise self._lost(peer, f"{what} took longer than stall_timeout = {self.stall:g} s ([launch])")
+
+    # -- receive queues ---------------------------------------------------------------------------------------
+    def plan_slots(self, start_step: int, steps: int, accum: int, replicas: int) -> None:
+        """The slots this rank will consume, in the order it consumes them: (step, micro-batch, replica)."""
+        reps = sorted({t.replica for t in self.incoming})
+        self._pending_slots = deque((s, a, r) for s in range(start_step, steps) for a in range(accum) for r in reps)
+        self.queue = max((t.queue for t in self.incoming), default=1)
+
+    def _post(self, alloc: Callable[[CrossTransfer], torch.Tensor]) -> None:
+        while self._pending_slots and len(self._posted) < self.queue:
+            step, a, r = self._pending_slots.popleft()
+            works, bufs, headers = [], {}, {}
+            for t in (t for t in self.incoming if t.replica == r):
+                buf = alloc(t)
+                bufs[t.node] = buf
+                works.append(dist.irecv(buf, src=t.src_rank))
+            for src in sorted({t.src_rank for t in self.incoming if t.replica == r}):
+                h = torch.zeros(HEADER, dtype=torch.float64)
+                headers[src] = h
+                works.append(dist.irecv(h, src=src, group=self.ctrl) if self.ctrl is not dist.group.WORLD
+                             else dist.irecv(h, src=src))
+            fut = self.pool.submit(lambda ws=works: [w.wait() for w in ws])
+            self._posted.append(((step, a, r), fut, bufs, headers))
+
+    def receive(self, step: int, a: int, r: int, alloc: Callable[[CrossTransfer], torch.Tensor]) -> tuple[dict, dict]:
+        """The received tensors of slot (step, a, r) (node id -> tensor) and the senders' headers."""
+        self._post(alloc)
+        key, fut, bufs, headers = self._posted[0]
+        if key != (step, a, r):
+            raise RuntimeError(f"receive order broken: expected slot {key}, asked for {(step, a, r)}")
+        srcs = sorted(headers)
+        self._watch(fut, srcs[0], f"the batch of replica {r} from rank {srcs[0]}")
+        self._posted.popleft()
+        for src, h in headers.items():
+            if (int(h[0]), int(h[1]), int(h[2])) != (step, a, r):
+                raise RankLost(f"rank {self.rank}: rank {src} sent the batch of step {int(h[0])}, micro-batch "
+                               f"{int(h[1])}, replica {int(h[2])} where step {step}, micro-batch {a}, replica {r} "
+                               "was expected: the ranks run different graphs or flags")
+        return bufs, {src: (float(h[3]), float(h[4])) for src, h in headers.items()}
+
+    def release(self, alloc: Callable[[CrossTransfer], torch.Tensor]) -> None:
+        """A slot's batch is done with: post the next slot's receives (a sender blocked on this queue goes on)."""
+        self._post(alloc)
+
+    # -- send side --------------------------------------------------------------------------------------------
+    def send(self, x: torch.Tensor, t: CrossTransfer) -> None:
+        if not x.is_contiguous():
+            x = x.contiguous()      # staging copy; every op in the catalog returns contiguous tensors
+        work = dist.isend(x, dst=t.dst_rank)
+        self._watch(self.pool.submit(work.wait), t.dst_rank, f"sending '{t.node}' of replica {t.replica} to rank "
+                    f"{t.dst_rank}")
+
+    def send_header(self, step: int, a: int, r: int, busy: float, wait: float) -> None:
+        for dst in sorted({t.dst_rank for t in self.outgoing if t.replica == r}):
+            h = torch.tensor([step, a, r, busy, wait], dtype=torch.float64)
+            work = dist.isend(h, dst=dst, group=self.ctrl) if self.ctrl is not dist.group.WORLD else dist.isend(h, dst=dst)
+            self._watch(self.pool.submit(work.wait), dst, f"the header of replica {r} to rank {dst}")
+
+    # -- small control messages (setup and the end) ------------------------------------------------------------
+    def broadcast(self, obj, src: int):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.ctrl)
+        return box[0]
+
+    def gather(self, obj, dst: int) -> list | None:
+        out = [None] * self.world if self.rank == dst else None
+        fut = self.pool.submit(dist.gather_object, obj, out, dst, self.ctrl)
+        self._watch(fut, dst, "the end-of-run gather")
+        return out
+
+    def close(self) -> None:
+        self.beat.state = "done"
+        try:
+            self.beat.publish()
+        except Exception:
+            pass
+        self.beat.stop.set()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def check_launch(typed, launch: Launch, writer_ranks: set[int]) -> None:
+    """What torchrun cannot run, refused before any process group exists (every rank reaches the same verdict)."""
+    spec = typed.ctx.spec
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    problems = []
+    if world != launch.world_size:
+        ranks = ", ".join(f"{d}={launch.devices[d].rank}" for d in launch.devices)
+        problems.append(Problem(
+            f"torchrun started {world} processes, but the graph's devices map to {launch.world_size} rank(s) ({ranks})",
+            spec.loc("devices"), hint=f"launch with torchrun --nproc-per-node {launch.world_size} (one machine), or "
+                                      "declare `rank` on each device to share ranks"))
+    if len(writer_ranks) > 1:
+        problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writer_ranks)}; one rank must own "
+                                "all of them (it steps the optimizer and writes the checkpoints)", spec.loc("devices"),
+                                hint="give the drafter's devices one rank"))
+    from ..analysis.memory import grad_nodes
+
+    grads = grad_nodes(typed)
+    by_dst: dict[tuple[int, int], set[int]] = {}
+    for t in launch.transfers:
+        if t.node in grads and typed.graph[t.node].inputs[0][1].node in grads:
+            problems.append(Problem(f"transfer '{t.node}' carries a tensor that needs gradients from rank "
+                                    f"{t.src_rank} to rank {t.dst_rank}; gradients do not flow between ranks",
+                                    typed.ctx.loc(typed.graph[t.node]), hint="put the trainable nodes on one rank"))
+        by_dst.setdefault((t.dst_rank, 0), set()).add(t.queue)
+        kinds = {spec.devices[t.src_device].torch.split(":")[0], spec.devices[t.dst_device].torch.split(":")[0]}
+        if len(kinds) > 1:
+            problems.append(Problem(f"transfer '{t.node}' goes from {t.src_device} ({spec.devices[t.src_device].torch}) "
+                                    f"to {t.dst_device} ({spec.devices[t.dst_device].torch}) across ranks: send/recv "
+                                    "needs both ends on the same kind of device", typed.ctx.loc(typed.graph[t.node]),
+                                    hint="map both devices to CUDA (nccl) or both to CPU (gloo), e.g. --device-map "
+                                         "'cuda:*=cpu'"))
+    for (dst, _), qs in by_dst.items():
+        if len(qs) > 1:
+            node = next(t.node for t in launch.transfers if t.dst_rank == dst)
+            problems.append(Problem(f"transfers into rank {dst} declare different queue depths {sorted(qs)}; a rank "
+                                    "holds one queue of whole batches", typed.ctx.loc(typed.graph[node], "params"),
+                                    hint="give every transfer into that rank the same params.queue"))
+    if problems:
+        raise GraphError(problems)
