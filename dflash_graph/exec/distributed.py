@@ -219,7 +219,7 @@ class Comm:
             except FutureTimeout:
                 pass
             except Exception as e:      # the op failed: the connection to the peer is gone
-                raise self._lost(peer, f"{what} failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+                raise self._lost(peer, f"{what} failed on rank {self.rank} ({_short(e)})") from None
             if self._terminated:
                 raise self._lost(None, "the launcher stopped this rank (SIGTERM)")
             now = time.monotonic()
@@ -229,9 +229,11 @@ class Comm:
                 if cause:
                     raise self._lost(None, cause)
                 if self._stale_peers([peer]):
-                    raise self._lost(peer, f"no heartbeat for {LOST_AFTER:.0f} s while this rank waited on {what}")
+                    raise self._lost(peer, f"no heartbeat for {LOST_AFTER:.0f} s while rank {self.rank} waited on "
+                                           f"{what}")
             if now > deadline:
-                raise self._lost(peer, f"{what} took longer than stall_timeout = {self.stall:g} s ([launch])")
+                raise self._lost(peer, f"rank {self.rank} waited on {what} for longer than stall_timeout = "
+                                       f"{self.stall:g} s ([launch])")
 
     # -- receive queues ---------------------------------------------------------------------------------------
     def plan_slots(self, start_step: int, steps: int, accum: int, replicas: int) -> None:
@@ -313,6 +315,14 @@ class Comm:
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _short(e: BaseException) -> str:
+    """gloo's and NCCL's errors start with a source path: keep the words ('Connection reset by peer')."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "] " in text and text.startswith("["):
+        text = text.split("] ", 1)[1]
+    return text.split(". ")[0][:120]
 
 
 def check_launch(typed, launch: Launch, writer_ranks: set[int]) -> None:

@@ -201,6 +201,7 @@ class Trainer:
                 w0 = comm.wait_seconds if comm else 0.0
                 inbox = None
                 if comm is not None and self.receives[r]:
+                    comm.set_where(step + 1, "(waiting for its batch)", r)
                     inbox, headers = comm.receive(step, a, r, self._alloc)
                     for src, (b, w) in headers.items():
                         acc_ = ranks.setdefault(src, [0.0, 0.0])
