@@ -136,20 +136,29 @@ def test_a_frozen_rank_stops_every_other_rank_with_the_cause(in_repo, tmp_path):
     assert "no heartbeat" in text
 
 
-def test_two_nodes_on_localhost_with_a_c10d_rendezvous(in_repo, tmp_path):
-    """Two torchrun launches, --nnodes 2, meeting at a c10d rendezvous on 127.0.0.1: node 0 runs the two target
-    ranks, node 1 the drafter rank."""
-    out = tmp_path / "n"
+RANK_MAP = ["--set", "devices.t0.rank=0", "--set", "devices.t1.rank=0", "--set", "devices.draft.rank=1"]
+
+
+def test_two_nodes_on_localhost_with_a_c10d_rendezvous_and_a_rank_map(in_repo, tmp_path):
+    """Two torchrun launches, --nnodes 2, meeting at a c10d rendezvous on 127.0.0.1. A declared rank map puts
+    both target replicas in one process (node 0) and the drafter in another (node 1); the losses are still those
+    of one process."""
+    one, out = tmp_path / "one", tmp_path / "n"
+    assert main(["run", "graphs/tiny.toml", "--steps", "2", "--out", str(one), "--no-progress"]) == 0
     port = free_port()
-    rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t"]
-    args = ["graphs/tiny.toml", "--steps", "2", "--out", str(out)]
-    with launched([*rdzv, "--nproc-per-node", "2", "--node-rank", "0"], args) as a, \
-            launched([*rdzv, "--nproc-per-node", "1", "--node-rank", "1"], args) as b:
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "t"]
+    args = ["graphs/tiny.toml", *RANK_MAP, "--steps", "2", "--out", str(out)]
+    with launched([*rdzv, "--node-rank", "0"], args) as a, launched([*rdzv, "--node-rank", "1"], args) as b:
         ta, _ = a.communicate(timeout=300)
         tb, _ = b.communicate(timeout=300)
         assert a.returncode == 0 and b.returncode == 0, ta + tb
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
-    assert json.loads((out / "memory.json").read_text())["processes"] == 3
+    for ra, rb in zip(read_metrics(one), read_metrics(out)):
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-5 * abs(ra["loss"])
+        assert set(rb["ranks"]) == {"0", "1"}
+    mem = json.loads((out / "memory.json").read_text())
+    assert mem["processes"] == 2
+    assert {d: v["rank"] for d, v in mem["devices"].items()} == {"t0": 0, "t1": 0, "draft": 1}
 
 
 @pytest.mark.slow

@@ -66,12 +66,14 @@ class Launch:
                 out[v.rank] = out.get(v.rank, 0.0) + v.busy_seconds
         return out
 
-    def bottleneck(self) -> tuple[int, float] | None:
+    def bottleneck(self) -> tuple[list[int], float] | None:
+        """The ranks that bound the step (busy within 1% of the busiest) and their busy seconds per step: with
+        the queues deep enough, a step takes as long as its busiest rank."""
         busy = self.rank_busy()
         if not busy or any(b is None for b in busy.values()):
             return None
-        rank = max(busy, key=lambda k: busy[k])
-        return rank, busy[rank]
+        top = max(busy.values())
+        return sorted(k for k, b in busy.items() if b >= 0.99 * top), top
 
 
 def replicas(typed: Typed) -> int:

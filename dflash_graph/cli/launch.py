@@ -15,7 +15,8 @@ def launch_json(typed) -> dict:
                         "receive_queue_bytes": d.receive_queue_bytes, "staging_bytes": d.staging_bytes,
                         "step_flops": d.flops, "busy_seconds": d.busy_seconds} for n, d in L.devices.items()},
         "rank_busy_seconds": {str(k): v for k, v in L.rank_busy().items()},
-        "bottleneck": None if b is None else {"rank": b[0], "devices": L.rank_devices(b[0]), "busy_seconds": b[1]},
+        "bottleneck": None if b is None else {"ranks": b[0], "devices": [d for k in b[0] for d in L.rank_devices(k)],
+                                              "busy_seconds": b[1]},
         "send_recv": len(L.transfers),
     }
 
@@ -52,17 +53,22 @@ def render_launch(typed) -> str:
         lines.append(f"  busy time: not predicted ({', '.join(missing)} declare no throughput; "
                      "add e.g. throughput = \"400 TFLOP/s\" to [devices.<name>])")
         return "\n".join(lines)
-    rank, t = b
+    ranks, t = b
     busy = L.rank_busy()
-    others = {k: v for k, v in busy.items() if k != rank}
-    who = ", ".join(L.rank_devices(rank))
-    line = f"  bottleneck: rank {rank} ({who}), {fmt_seconds(t)} busy per step"
-    if others:
-        slowest = max(others.values())
-        idle = 1 - sum(others.values()) / (len(others) * t) if t else 0.0
-        line += (f"; the other {len(others)} rank(s) are busy at most {fmt_seconds(slowest)} "
-                 f"({slowest / t:.2f} of it) and idle {idle:.0%} of the step on average")
+    devs = [d for k in ranks for d in L.rank_devices(k)]
+    who = f"{_ranks_text(ranks)} ({_devices_text(devs)})"
+    line = f"  bottleneck: {who}, {fmt_seconds(t)} busy per step" + (" each" if len(ranks) > 1 else "")
+    rest = sorted(k for k in busy if k not in ranks)
+    if rest:
+        parts = [f"{_ranks_text([k])} ({_devices_text(L.rank_devices(k))}) {fmt_seconds(busy[k])}, "
+                 f"idle {1 - busy[k] / t:.0%} of the step" for k in rest[:4]]
+        more = f" and {len(rest) - 4} more" if len(rest) > 4 else ""
+        line += "; " + "; ".join(parts) + more
     lines.append(line)
     lines.append("  (FLOPs from each op's declared cost, backward 2x forward with trainable weights and 1x without; "
                  "time = FLOPs / the device's declared throughput; transfers not timed)")
     return "\n".join(lines)
+
+
+def _devices_text(devs: list[str]) -> str:
+    return f"{devs[0]}..{devs[-1]}" if len(devs) > 2 else ", ".join(devs)

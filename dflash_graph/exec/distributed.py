@@ -97,8 +97,10 @@ class Comm:
         self.stall = float(stall_timeout)
         self.where = Where()
         backend = launch.backend
+        self.cuda = None
         if backend == "nccl":
-            torch.cuda.set_device(torch.device(device_type(self.devices_of_rank[self.rank][0])))
+            self.cuda = torch.device(device_type(self.devices_of_rank[self.rank][0]))
+            torch.cuda.set_device(self.cuda)
         # setup (loading weights, building models) may take long: the process group's own timeout is generous;
         # every wait in the training loop is bounded by stall_timeout instead (see _watch)
         dist.init_process_group(backend, timeout=timedelta(seconds=max(600.0, self.stall)))
@@ -111,7 +113,9 @@ class Comm:
         self.beat = _Beat(self._client(), self.rank, self.where, info)
         self.beat.publish()
         self.beat.start()
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflash-comm")
+        # one thread per posted receive slot (each waits for its slot) and a few for sends and the end gather
+        depth = max((t.queue for t in launch.transfers if t.dst_rank == self.rank), default=1)
+        self.pool = ThreadPoolExecutor(max_workers=depth + 4, thread_name_prefix="dflash-comm")
         self._terminated = False
         self._seen: dict[int, tuple[int, float]] = {}     # peer -> (last beat counter, when it last changed)
         self._last_check = 0.0
@@ -255,8 +259,17 @@ class Comm:
                 headers[src] = h
                 works.append(dist.irecv(h, src=src, group=self.ctrl) if self.ctrl is not dist.group.WORLD
                              else dist.irecv(h, src=src))
-            fut = self.pool.submit(lambda ws=works: [w.wait() for w in ws])
+            fut = self.pool.submit(self._complete, works)
             self._posted.append(((step, a, r), fut, bufs, headers))
+
+    def _complete(self, works) -> None:
+        """Runs in a pool thread. On NCCL, Work.wait() only orders the compute stream after the transfer; the
+        device is synchronized too, so that a wait ends when the data is really here (or sent) and a lost peer is
+        seen as a wait that does not end, not as a later hang inside a kernel."""
+        for w in works:
+            w.wait()
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
 
     def receive(self, step: int, a: int, r: int, alloc: Callable[[CrossTransfer], torch.Tensor]) -> tuple[dict, dict]:
         """The received tensors of slot (step, a, r) (node id -> tensor) and the senders' headers."""
@@ -283,14 +296,14 @@ class Comm:
         if not x.is_contiguous():
             x = x.contiguous()      # staging copy; every op in the catalog returns contiguous tensors
         work = dist.isend(x, dst=t.dst_rank)
-        self._watch(self.pool.submit(work.wait), t.dst_rank, f"sending '{t.node}' of replica {t.replica} to rank "
+        self._watch(self.pool.submit(self._complete, [work]), t.dst_rank, f"sending '{t.node}' of replica {t.replica} to rank "
                     f"{t.dst_rank}")
 
     def send_header(self, step: int, a: int, r: int, busy: float, wait: float) -> None:
         for dst in sorted({t.dst_rank for t in self.outgoing if t.replica == r}):
             h = torch.tensor([step, a, r, busy, wait], dtype=torch.float64)
             work = dist.isend(h, dst=dst, group=self.ctrl) if self.ctrl is not dist.group.WORLD else dist.isend(h, dst=dst)
-            self._watch(self.pool.submit(work.wait), dst, f"the header of replica {r} to rank {dst}")
+            self._watch(self.pool.submit(self._complete, [work]), dst, f"the header of replica {r} to rank {dst}")
 
     # -- small control messages (setup and the end) ------------------------------------------------------------
     def broadcast(self, obj, src: int):

@@ -216,8 +216,9 @@ class _Builder:
             return
         missing = [n for n in devs if n not in declared]
         if missing:
+            verb = "declares" if len(declared) == 1 else "declare"
             self.err(("devices", missing[0]), f"device '{missing[0]}' has no rank, but "
-                     f"{', '.join(sorted(declared))} declare one", hint="declare `rank` on every device or on none")
+                     f"{', '.join(sorted(declared))} {verb} one", hint="declare `rank` on every device or on none")
             return
         ranks = sorted(set(declared.values()))
         if ranks != list(range(len(ranks))):
