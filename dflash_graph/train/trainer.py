@@ -22,7 +22,8 @@ from ..ops import registry
 from ..rewrite.pipeline import Plan
 from ..units import fmt_bytes
 from . import checkpoint
-from .data import PackedData
+from .data import load_data
+from .metrics import acceptance
 
 
 @attrs.define
@@ -45,6 +46,21 @@ def _lr_lambda(warmup: int, total: int):
     return f
 
 
+def _set_threads(threads: int, tdev: dict[str, str]) -> None:
+    """torch's default (one thread per core) is right for one process alone on the machine; the tiny default
+    ran 12-16x slower with it on a loaded 2-core machine than with one thread. A run whose devices are all CPU
+    takes, unless `train.threads` says otherwise, half the cores (at least one): the other half is left to the
+    machine. A GPU run keeps torch's default."""
+    import os
+
+    if threads <= 0:
+        if any(not t.startswith("cpu") for t in tdev.values()):
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // 2)
+    torch.set_num_threads(threads)
+
+
 class Trainer:
     def __init__(self, plan: Plan, opts: RunOptions):
         self.plan, self.opts = plan, opts
@@ -53,6 +69,7 @@ class Trainer:
         self.cfg = dict(spec.train)
         self.steps = opts.steps if opts.steps is not None else int(self.cfg["steps"])
         self.tdev = torch_devices(spec, opts.device_map)
+        _set_threads(int(self.cfg.get("threads", 0)), self.tdev)
         seed = int(self.cfg["seed"])
         torch.manual_seed(seed)
         self.store = ModelStore(typed, self.tdev, seed)
@@ -77,8 +94,8 @@ class Trainer:
             raise GraphError(Problem("the graph has no [data] section", spec.loc(),
                                      hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
         seq = self._seq_len()
-        self.data = PackedData(base / spec.data["corpus"], base / spec.data["tokenizer"], seq,
-                               spec.data.get("text_key", "text"), seed)
+        vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
+        self.data, self.held = load_data(spec.data, base, seq, seed, vocab)
         self.loss_node = next(n.id for n in typed.graph.nodes if registry.get(n.op).name == "loss")
         self.start_step = 0
         if opts.resume is not None:
@@ -87,6 +104,8 @@ class Trainer:
             self.data.load_state(state["data"])
             self.start_step = int(state["step"])
         self.tokens_per_step = seq * self.interp.replicas * int(self.cfg["grad_accum"])
+        from .summary import RunSummary
+        self.summary = RunSummary(self, int(self.cfg["eval_every"]), int(self.cfg["eval_batches"]), seed)
 
     def _seq_len(self) -> int:
         typed = self.plan.typed
@@ -97,7 +116,7 @@ class Trainer:
     def step(self) -> dict[str, Any]:
         accum = int(self.cfg["grad_accum"])
         R = self.interp.replicas
-        losses, accs = [], []
+        losses, accs, counts = [], [], 0
         for _ in range(accum):
             batches = [self.data.next_batch() for _ in range(R)]
             for r in range(R):
@@ -107,6 +126,7 @@ class Trainer:
                     (out["loss"] / (R * accum)).backward()
                 losses.append(float(out["loss"].detach()))
                 accs.append(out["slot_acc"].detach().float().cpu())
+                counts = counts + out["accepted"].detach().double().cpu()
                 del res, out
         tr = self.interp.tracker
         if tr is not None:
@@ -127,7 +147,7 @@ class Trainer:
                     p.grad = None
         acc = torch.stack(accs).mean(0)
         return {"loss": sum(losses) / len(losses), "slot_acc": [round(float(a), 4) for a in acc.tolist()],
-                "grad_norm": gnorm, "lr": self.sched.get_last_lr()[0]}
+                "grad_norm": gnorm, "lr": self.sched.get_last_lr()[0], **acceptance(counts.tolist())}
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -173,11 +193,18 @@ class Trainer:
                     step += 1
                     rec = {"step": step, "loss": round(m["loss"], 6), "tokens_per_s": round(self.tokens_per_step / dt, 1),
                            "slot_acc": m["slot_acc"], "acc": round(sum(m["slot_acc"][1:]) / max(len(m["slot_acc"]) - 1, 1), 4),
+                           "tau": m["tau"], "slot_accept": m["slot_accept"],
                            "lr": m["lr"], "grad_norm": round(m["grad_norm"], 4), "step_seconds": round(dt, 4),
                            "memory_bytes": self._memory_now()}
+                    self.summary.update(rec)
+                    ev = self.summary.maybe_eval(step, self.steps)
+                    if ev is not None:
+                        rec["heldout"] = {k: v for k, v in ev.items() if k != "step"}
                     mf.write(json.dumps(rec) + "\n")
                     mf.flush()
                     self._progress(rec, t_start)
+                    if ev is not None:
+                        self._eval_line(ev)
                     if stop["requested"]:
                         interrupted = True
                         break
@@ -202,9 +229,22 @@ class Trainer:
             print(f"interrupted: checkpoint of step {step} saved to {out / 'checkpoint'}; continue with --resume {out}",
                   file=sys.stderr)
             return 130
-        print(f"done: {step} steps; metrics in {metrics_path}, memory report in {out / 'memory.json'}, "
-              f"checkpoint in {out / 'checkpoint'}")
+        print(self.summary.render(step, out, self._memory_summary()))
         return 0
+
+    def _eval_line(self, ev: dict) -> None:
+        if self.opts.progress and sys.stdout.isatty():
+            print()
+        print(self.summary.eval_line(ev), flush=True)
+
+    def _memory_summary(self) -> dict[str, tuple[int, int | None]]:
+        mem, tr = self.plan.memory, self.interp.tracker
+        out = {}
+        for name, d in mem.devices.items():
+            pred = d.live_peak_bytes if tr is not None else d.peak_bytes
+            meas = int(tr.peak[name]) if tr is not None else None
+            out[name] = (pred, meas)
+        return out
 
     def _save(self, step: int) -> None:
         checkpoint.save(self.opts.out, step, self.store.drafters, self.opt, self.sched, self.data.state(),
