@@ -44,6 +44,7 @@ __all__ = [
     "block_token_ids",
     "dflash_attention_mask",
     "document_ids",
+    "anchor_grid",
     "eligible_anchors",
     "sample_anchors",
     "slot_valid",
@@ -123,6 +124,23 @@ def _rand(n: int, generator: torch.Generator | None, device) -> Tensor:
     return torch.rand(n, generator=generator, device=dev).to(device)
 
 
+def anchor_grid(loss_mask: Tensor, position_ids: Tensor, block_size: int,
+                generator: torch.Generator | None = None) -> Tensor:
+    """Steps 1-2 of ``sample_anchors``: the eligible positions on each document's grid of stride B (a random
+    phase per document, the generator's first draw), sorted int64 [C]."""
+    ok = eligible_anchors(loss_mask, position_ids, block_size)
+    doc = document_ids(position_ids)
+    t = doc.numel()
+    if t == 0:
+        return doc.clone()
+    dev = doc.device
+    idx = torch.arange(t, device=dev)
+    nd = int(doc[-1]) + 1
+    phase = torch.floor(_rand(nd, generator, dev) * block_size).to(torch.long).clamp_max(block_size - 1)
+    on_grid = torch.remainder(idx - _document_starts(doc) - phase[doc], block_size) == 0
+    return idx[ok & on_grid]
+
+
 def sample_anchors(
     loss_mask: Tensor,
     position_ids: Tensor,
@@ -147,20 +165,13 @@ def sample_anchors(
     """
     if max_anchors < 0:
         raise ValueError(f"max_anchors: must be >= 0, got {max_anchors}")
-    ok = eligible_anchors(loss_mask, position_ids, block_size)
-    doc = document_ids(position_ids)
-    t = doc.numel()
-    if t == 0:
-        return doc.clone()
-    dev = doc.device
-    idx = torch.arange(t, device=dev)
-    nd = int(doc[-1]) + 1
-    phase = torch.floor(_rand(nd, generator, dev) * block_size).to(torch.long).clamp_max(block_size - 1)
-    on_grid = torch.remainder(idx - _document_starts(doc) - phase[doc], block_size) == 0
-    cand = idx[ok & on_grid]
+    cand = anchor_grid(loss_mask, position_ids, block_size, generator)
     c = cand.numel()
     if c <= max_anchors:
         return cand
+    doc = document_ids(position_ids)
+    dev = doc.device
+    nd = int(doc[-1]) + 1
     cd = doc[cand]
     per_doc = torch.bincount(cd, minlength=nd)                      # c_d
     num = max_anchors * per_doc                                     # exact integer shares: A * c_d / C
