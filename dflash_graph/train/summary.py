@@ -1,6 +1,6 @@
 """What a run tells its user as it goes and at the end: the held-out evaluation every `train.eval_every` steps
 (into the step's metrics.jsonl record and onto the console), and the closing summary (smoothed loss, held-out
-tau, tokens/s, predicted and measured memory, where the checkpoint and the export are)."""
+tau, tokens/s, predicted and measured memory, where the checkpoint is; cli/run.py adds the export)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ class RunSummary:
         self.tps: list[float] = []
         self.last_eval: dict[str, Any] | None = None
         self.last_tau: float | None = None
-        self.export_dir: Path | None = None
 
     def update(self, rec: dict[str, Any]) -> None:
         self.loss.add(rec["loss"])
@@ -58,6 +57,4 @@ class RunSummary:
         lines.append(f"  memory peak: {mem}")
         lines.append(f"  metrics: {out / 'metrics.jsonl'}   memory report: {out / 'memory.json'}")
         lines.append(f"  checkpoint: {out / 'checkpoint'}")
-        if self.export_dir is not None:
-            lines.append(f"  export (Hugging Face DFlash format): {self.export_dir}")
         return "\n".join(lines)
