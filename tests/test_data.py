@@ -179,3 +179,17 @@ def test_holdout_larger_than_the_corpus_is_an_error():
     with pytest.raises(GraphError, match="holdout = 5000 leaves no document"):
         load_data({"corpus": "tiny/chat.jsonl", "tokenizer": "tiny/tokenizer.json", "holdout": 5000},
                   REPO / "graphs", 256, 0, 768)
+
+
+def test_a_chat_run_reports_tau_and_the_held_out_split(in_repo, tmp_path):
+    out = tmp_path / "chat"
+    assert main(["run", "graphs/tiny.toml", "--steps", "2", "--out", str(out), "--no-progress",
+                 "--set", "data.corpus=tiny/chat.jsonl", "--set", "data.holdout=40",
+                 "--set", "train.eval_every=2", "--set", "train.eval_batches=1"]) == 0
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert r["tau"] >= 1 and len(r["slot_accept"]) == 3
+    assert "heldout" not in recs[0]
+    h = recs[1]["heldout"]
+    assert h["tau"] >= 1 and h["anchors"] > 0 and h["sequences"] == 2 and len(h["slot_accept"]) == 3

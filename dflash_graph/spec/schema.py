@@ -97,7 +97,7 @@ TRAIN = Section("train", "Training settings for `dflash-graph run`.", (
         "a loaded machine).", default=0),
 ))
 
-DATA = Section("data", "Training data for `dflash-graph run` (formats: docs/guide.md, \"Data\").", (
+DATA = Section("data", "Training data for `dflash-graph run` (formats and errors: docs/drafter.md, \"Data\").", (
     Key("corpus", "str", "The corpus (relative to this file): a JSONL file (text or chat records, or pre-tokenized "
         "`input_ids`), a Parquet file, or a Hugging Face `datasets` directory or data files.", required=True),
     Key("tokenizer", "str", "The target's tokenizer (relative to this file): a tokenizer.json, or a directory (with "
