@@ -107,7 +107,7 @@ class HandStep:
         self.slot_w = slot_weights(self.block, self.gamma, "cpu")
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        from dflash_graph.models.nn.dflash import sample_anchors
+        from dflash_graph.models.nn.dflash import sample_anchors, slot_valid
         from dflash_graph.models.nn.qwen3_5 import body_forward
         from dflash_graph.ops.torch_impl import _chunk_loss
 
@@ -119,18 +119,18 @@ class HandStep:
             drawn = sample_anchors(mask, pos, B, A, self.generator)
             anchors = torch.zeros(A, dtype=torch.int64)
             anchors[: drawn.numel()] = drawn                                             # padding: masked by valid
-            valid = torch.arange(A) < drawn.numel()
+            valid = slot_valid(mask, anchors, drawn.numel(), B)                           # [A, B]
             rows = torch.remainder(anchors[:, None] + self.offsets - 1, T)               # [A, B]
             target_logits = self.lm_head(self.norm(last[rows]))                          # [A, B, V]
         hidden = self.drafter(features, ids, pos, anchors)                               # [A, B, H]
         logits = self.lm_head(self.norm(hidden))                                         # [A, B, V]
         V = logits.shape[-1]
-        w = self.slot_w[None, :] * valid[:, None].float()
+        w = self.slot_w[None, :] * valid.float()
         per_row = _chunk_loss(self.kind, logits.reshape(A * B, V), target_logits.reshape(A * B, V)).view(A, B)
         loss = (per_row * w).sum() / w.sum().clamp_min(1e-9)
         with torch.no_grad():
             hit = (logits.argmax(-1) == target_logits.argmax(-1)).float()
-            acc = (hit * valid[:, None].float()).sum(0) / valid.float().sum().clamp_min(1.0)
+            acc = (hit * valid.float()).sum(0) / valid.float().sum(0).clamp_min(1.0)
         return loss, acc
 
     def step(self) -> dict[str, Any]:

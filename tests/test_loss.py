@@ -11,6 +11,8 @@ from dflash_graph.ops.torch_impl import _ChunkDivergence, _chunk_loss, loss, slo
 
 
 def run(kind, logits, target, valid, chunk=1024, gamma=7.0):
+    if valid.dim() == 1:   # an anchor's validity for every slot of its block
+        valid = valid[:, None].expand(-1, logits.shape[1])
     return loss(types.SimpleNamespace(params={"kind": kind, "gamma": gamma, "chunk": chunk}), logits, target, valid)
 
 

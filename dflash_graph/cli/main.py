@@ -13,6 +13,8 @@ EXAMPLES = """examples:
   dflash-graph check graphs/qwen27b.toml --no-rewrite    # the graph exactly as written
   dflash-graph check graphs/tiny.toml --json --set dims.seq=512
   dflash-graph run graphs/tiny.toml                      # train the embedded tiny default on CPU
+  dflash-graph eval graphs/tiny.toml --checkpoint runs/tiny   # speculative decoding: measured acceptance length
+  dflash-graph export runs/tiny --out runs/tiny/hf       # the drafter in the DFlash format SGLang loads
 """
 
 
@@ -57,6 +59,29 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="run even if check predicts an OOM")
     r.add_argument("--no-rewrite", action="store_true", help="run the graph exactly as written")
     r.add_argument("--no-progress", action="store_true", help="print plain log lines instead of a progress bar")
+    e = sub.add_parser("eval", help="speculative decoding with the trained drafter: acceptance length, speed, lossless",
+                       description="Decode held-out prompts with the target and the trained drafter (greedy "
+                                   "verification, the graph's block size) and with the target alone; report the "
+                                   "measured acceptance length, tokens per target forward and wall time. Exit 0 when "
+                                   "every output equals target-only greedy decoding.")
+    _common(e)
+    e.add_argument("--checkpoint", required=True, metavar="DIR", help="the --out directory of a run")
+    e.add_argument("--prompts", type=int, default=16, help="held-out prompts to decode (default 16)")
+    e.add_argument("--prompt-tokens", type=int, default=24, help="tokens of each held-out document used as prompt")
+    e.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
+    e.add_argument("--device", default="cpu", help="torch device for the target and the drafter (default cpu)")
+    e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    x = sub.add_parser("export", help="write the drafter as a Hugging Face DFlash draft directory",
+                       description="Write DIR's drafter as config.json + model.safetensors in the DFlash draft "
+                                   "format that z-lab's dflash code and SGLang (--speculative-algorithm DFLASH) load.")
+    x.add_argument("dir", metavar="DIR", help="the --out directory of a run (or its checkpoint/)")
+    x.add_argument("--out", required=True, metavar="HF_DIR", help="directory to write")
+    x.add_argument("--graph", default=None, help="the graph the run trained (default: from DIR/run.json)")
+    x.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="overrides, as given to run (added to those in DIR/run.json)")
+    x.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="weight dtype (default bfloat16, as published DFlash drafters)")
     return ap
 
 
@@ -76,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "run":
             from .run import cmd_run
             return cmd_run(args)
+        if args.cmd in ("eval", "export"):
+            from . import evaluate
+            return evaluate.cmd_eval(args) if args.cmd == "eval" else evaluate.cmd_export(args)
     except GraphError as e:
         print(str(e), file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""`dflash-graph run`: check (refusing a predicted OOM unless --force), then train."""
+"""`dflash-graph run`: check (refusing a predicted OOM unless --force), then train, then export the drafter."""
 
 from __future__ import annotations
 
@@ -77,4 +77,22 @@ def cmd_run(args) -> int:
     opts = RunOptions(out=out, steps=args.steps, resume=Path(args.resume) if args.resume else None,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress, distributed=distributed)
-    return Trainer(plan, opts).run()
+    trainer = Trainer(plan, opts)
+    if trainer.is_writer:
+        _write_run_record(out, args)
+    code = trainer.run()
+    if code == 0 and trainer.is_writer:
+        from ..train.export import export_trainer
+
+        hf = export_trainer(trainer, out / "export")
+        print(f"  export (DFlash draft format, bf16; SGLang --speculative-draft-model-path): {hf}")
+    return code
+
+
+def _write_run_record(out: Path, args) -> None:
+    """What `eval` and `export` need to rebuild this run's graph: the graph file and the --set overrides."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    rec = {"graph": str(Path(args.graph).resolve()), "overrides": list(args.overrides)}
+    (out / "run.json").write_text(json.dumps(rec, indent=2) + "\n")

@@ -48,7 +48,8 @@ register(OpDef(
     doc="A packed sequence of `length` tokens from the data loader (one per replica on a group).",
     inputs=(),
     outputs=(Port("input_ids", "seq", "int64", optional=True), Port("position_ids", "seq", "int64", optional=True),
-             Port("loss_mask", "seq", "bool", optional=True, doc="positions a draft may be anchored at")),
+             Port("loss_mask", "seq", "bool", optional=True,
+                  doc="tokens the drafter learns to predict (assistant tokens of chat data)")),
     params=(Param("length", "dim", "Tokens per packed sequence.", default="seq"),),
     bind=lambda c: {"seq": c.params["length"]},
     traits=Traits(pure=False),
@@ -136,13 +137,15 @@ register(OpDef(
 
 register(OpDef(
     name="anchor_sample",
-    doc="Draw up to `count` anchor positions uniformly from loss-masked positions whose block fits inside "
-        "their document, sorted. `valid` marks real anchors when fewer exist.",
+    doc="Draw up to `count` anchors, sorted: per document (each gets its proportional share), on a grid of "
+        "stride `block` with a random phase (blocks never overlap), at positions whose next token is a loss "
+        "token and whose block fits inside their document (docs/drafter.md). `valid[a, k]`: slot k of anchor a "
+        "is scored (a real anchor, and token anchor+k is a loss token).",
     inputs=(Port("loss_mask", "seq", "bool"), Port("position_ids", "seq", "int64")),
-    outputs=(Port("anchors", "anchors", "int64"), Port("valid", "anchors", "bool", optional=True)),
+    outputs=(Port("anchors", "anchors", "int64"), Port("valid", "anchors block", "bool", optional=True)),
     params=(Param("count", "dim", "Anchors per sequence (max_anchors).", default="anchors"),
             Param("block", "dim", "Block size.", default="block")),
-    bind=lambda c: {"anchors": c.params["count"]},
+    bind=lambda c: {"anchors": c.params["count"], "block": c.params["block"]},
     traits=Traits(pure=True, deterministic=False),   # draws from the run's generator: a copy samples others
     cost=costs.no_workspace,
     impl=f"{IMPL}:anchor_sample",
@@ -269,11 +272,14 @@ register(OpDef(
 
 register(OpDef(
     name="loss",
-    doc="Drafter loss against the verifier at each block slot, decayed by exp(-(k-1)/gamma), slot 0 masked. "
-        "Outputs the scalar loss and per-slot accuracy (drafter argmax == verifier argmax).",
+    doc="Drafter loss against the verifier at each scored block slot, decayed by exp(-(k-1)/gamma), slot 0 "
+        "masked. Outputs the scalar loss, per-slot accuracy (drafter argmax == verifier argmax) and the "
+        "acceptance counts of greedy verification (`accepted[k]`: real anchors whose slots 1..k all hit; "
+        "tau = 1 + sum(accepted[1:]) / accepted[0]).",
     inputs=(Port("logits", "anchors block vocab", "float"), Port("target", "anchors block vocab", "float"),
-            Port("valid", "anchors", "bool")),
-    outputs=(Port("loss", "", "float32"), Port("slot_acc", "block", "float32", optional=True)),
+            Port("valid", "anchors block", "bool")),
+    outputs=(Port("loss", "", "float32"), Port("slot_acc", "block", "float32", optional=True),
+             Port("accepted", "block", "float32", optional=True)),
     params=(Param("kind", "str", "Loss: ce (cross-entropy on the verifier argmax), kl, rkl, jsd, tv.", default="kl",
                   choices=("ce", "kl", "rkl", "jsd", "tv")),
             Param("gamma", "float", "Per-slot decay exp(-(k-1)/gamma).", default=7.0),

@@ -54,14 +54,14 @@ def transfer(c, x):
 
 
 def anchor_sample(c, loss_mask, position_ids):
-    from ..models.nn.dflash import sample_anchors
+    from ..models.nn.dflash import sample_anchors, slot_valid
 
     count, block = c.params["count"], c.params["block"]
     a = sample_anchors(loss_mask, position_ids, block, count, c.generator)
-    valid = torch.zeros(count, dtype=torch.bool, device=loss_mask.device)
-    valid[: a.numel()] = True
-    pad = torch.zeros(count - a.numel(), dtype=torch.int64, device=a.device)  # position 0: masked out by `valid`
-    return {"anchors": torch.cat([a, pad]), "valid": valid}
+    n = a.numel()
+    pad = torch.zeros(count - n, dtype=torch.int64, device=a.device)  # position 0: masked out by `valid`
+    anchors = torch.cat([a, pad])
+    return {"anchors": anchors, "valid": slot_valid(loss_mask, anchors, n, block)}
 
 
 def block_positions(c, anchors):
@@ -161,13 +161,28 @@ class _ChunkDivergence(torch.autograd.Function):
         return (ps.mul_(g[:, None])).to(s.dtype), None, None
 
 
+def acceptance_counts(hit: Tensor, valid: Tensor) -> Tensor:
+    """float32 [B]: entry k counts the real anchors whose slots 1..k were all drafted as the verifier's argmax
+    (entry 0: the real anchors). Greedy verification accepts exactly that run, so the mean acceptance length is
+    tau = 1 + sum(n[1:]) / n[0] and slot k's conditional acceptance rate is n[k] / n[k-1]
+    (train/metrics.py). An unscored slot (past the end of the loss span) ends the run.
+
+    hit, valid: bool [A, B] (slot 0 of `valid` marks a real anchor; slot 0 of `hit` is ignored)."""
+    ok = (hit & valid).clone()
+    ok[:, 0] = valid[:, 0]
+    run = torch.cumprod(ok.to(torch.int32), dim=1)                       # [A, B]: 1 while every slot so far hit
+    return run.sum(0).to(torch.float32)
+
+
 def loss(c, logits, target, valid):
-    """Decayed per-slot loss over valid anchors, computed `chunk` rows at a time; each chunk is recomputed in
-    backward (torch.utils.checkpoint), so only one chunk's [chunk, vocab] fp32 temporaries ever exist."""
+    """Decayed per-slot loss over scored slots (`valid` [A, B]), computed `chunk` rows at a time; each chunk is
+    recomputed in backward (torch.utils.checkpoint), so only one chunk's [chunk, vocab] fp32 temporaries ever
+    exist. Also per-slot accuracy and the acceptance counts of greedy verification (`acceptance_counts`)."""
     a, b, v = logits.shape
     kind, chunk = c.params["kind"], max(1, min(int(c.params.get("chunk", 1024)), a * b))
     target = target.detach()
-    w = slot_weights(b, c.params["gamma"], logits.device)[None, :] * valid[:, None].float()   # [A, B]
+    valid = valid.to(torch.bool)
+    w = slot_weights(b, c.params["gamma"], logits.device)[None, :] * valid.float()   # [A, B]
     s2, t2 = logits.reshape(a * b, v), target.reshape(a * b, v)
     per_row, hits = [], []
     for i in range(0, a * b, chunk):
@@ -184,7 +199,8 @@ def loss(c, logits, target, valid):
     rows = torch.cat(per_row).view(a, b)
     total = (rows * w).sum() / w.sum().clamp_min(1e-9)
     with torch.no_grad():
-        hit = torch.cat(hits).view(a, b).float()                        # [A, B]
-        n = valid.float().sum().clamp_min(1.0)
-        acc = (hit * valid[:, None].float()).sum(0) / n
-    return {"loss": total, "slot_acc": acc}
+        hit = torch.cat(hits).view(a, b)                                  # [A, B]
+        vf = valid.float()
+        acc = (hit.float() * vf).sum(0) / vf.sum(0).clamp_min(1.0)
+        accepted = acceptance_counts(hit, valid)
+    return {"loss": total, "slot_acc": acc, "accepted": accepted}

@@ -106,12 +106,30 @@ TRAIN = Section("train", "Training settings for `dflash-graph run`.", (
     Key("seed", "int", "Seed for initialisation, data order and anchor sampling.", default=0),
     Key("log_every", "int", "Steps between progress lines.", default=1),
     Key("checkpoint_every", "int", "Steps between checkpoints (0: only at the end).", default=0),
+    Key("eval_every", "int", "Steps between evaluations on the held-out split ([data] holdout), and one at the end "
+        "(0: none).", default=0),
+    Key("eval_batches", "int", "Packed sequences of the held-out split per evaluation (per replica).", default=4),
+    Key("threads", "int", "torch CPU threads (0: one per replica's share of the cores; torch's default oversubscribes "
+        "a loaded machine).", default=0),
 ))
 
-DATA = Section("data", "Training data for `dflash-graph run`.", (
-    Key("corpus", "str", "JSONL file with a `text` field per line (relative to this file).", required=True),
-    Key("tokenizer", "str", "Local tokenizer: a tokenizer.json or a directory (relative to this file).", required=True),
-    Key("text_key", "str", "Field of each JSONL object that holds the text.", default="text"),
+DATA = Section("data", "Training data for `dflash-graph run` (formats and errors: docs/drafter.md, \"Data\").", (
+    Key("corpus", "str", "The corpus (relative to this file): a JSONL file (text or chat records, or pre-tokenized "
+        "`input_ids`), a Parquet file, or a Hugging Face `datasets` directory or data files.", required=True),
+    Key("tokenizer", "str", "The target's tokenizer (relative to this file): a tokenizer.json, or a directory (with "
+        "a tokenizer_config.json, read by transformers' AutoTokenizer with its chat template). Needed for text and "
+        "chat data; for pre-tokenized data it supplies the padding id."),
+    Key("format", "str", "How to read the corpus: auto (from the path and the first record), text, chat "
+        "(`messages`, rendered with the tokenizer's chat template; loss on assistant tokens only), tokens "
+        "(`input_ids`, optional `loss_mask`), hf (a Hugging Face datasets directory or data files).",
+        default="auto", choices=("auto", "text", "chat", "tokens", "hf")),
+    Key("text_key", "str", "Field of each record that holds the text.", default="text"),
+    Key("messages_key", "str", "Field of each chat record that holds the messages.", default="messages"),
+    Key("chat_template", "str", "A Jinja chat template file (relative to this file) to use instead of the "
+        "tokenizer's own (default: the tokenizer's, else a chat_template.jinja beside tokenizer.json)."),
+    Key("split", "str", "Split of a Hugging Face DatasetDict to read.", default="train"),
+    Key("holdout", "int", "The last N documents of the corpus are the held-out split: never trained on, evaluated "
+        "every train.eval_every steps.", default=0),
 ))
 
 TOP = Section("(top level)", "The sections of a graph file.", (

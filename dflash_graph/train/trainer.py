@@ -34,7 +34,8 @@ from ..ops import registry
 from ..rewrite.pipeline import Plan
 from ..units import fmt_bytes
 from . import checkpoint
-from .data import PackedData
+from .data import PackedData, load_data
+from .metrics import acceptance
 
 
 @attrs.define
@@ -56,6 +57,19 @@ def _lr_lambda(warmup: int, total: int):
         t = (step - warmup) / max(total - warmup, 1)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
     return f
+
+
+def _set_threads(threads: int, tdev: dict[str, str]) -> None:
+    """torch's default (one thread per core) is right for one process alone on the machine; the tiny default
+    ran 12-16x slower with it on a loaded 2-core machine than with one thread. A run whose devices are all CPU
+    takes, unless `train.threads` says otherwise, half the cores (at least one): the other half is left to the
+    machine. A GPU run keeps torch's default. (Under torchrun, OMP_NUM_THREADS=1 per rank unless set.)"""
+    if threads <= 0:
+        if any(not t.startswith("cpu") for t in tdev.values()):
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // 2)
+    torch.set_num_threads(threads)
 
 
 class Stop(Exception):
@@ -91,6 +105,8 @@ class Trainer:
             local = frozenset(by_rank[self.rank])
         else:
             self.tdev = torch_devices(spec, opts.device_map)
+        if self.comm is None or int(self.cfg.get("threads", 0)) > 0:
+            _set_threads(int(self.cfg.get("threads", 0)), self.tdev)
         self.writer = min(writer_ranks) if self.comm is not None else 0
         self.is_writer = self.rank == self.writer
         self.seed = int(self.cfg["seed"])
@@ -115,22 +131,21 @@ class Trainer:
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(self.cfg["warmup_steps"]),
                                                                                 self.steps))
         self.loss_node = next(n.id for n in typed.graph.nodes if registry.get(n.op).name == "loss")
-        # data: one shard per replica whose token_input runs in this process
+        # data: one shard per replica whose token_input runs in this process; the held-out split where the whole
+        # graph runs in this process (held-out evaluation is single-process for now)
         base = Path(spec.data.get("_base", "."))
         token_nodes = [n for n in typed.graph.nodes if registry.get(n.op).traits.pure is False and not n.inputs]
         self.shards: dict[int, PackedData] = {}
+        self.held = None
         mine = [r for r in range(R) if any(self.interp.role(n, r) == "run" for n in token_nodes)]
         if mine:
             if "corpus" not in spec.data:
                 raise GraphError(Problem("the graph has no [data] section", spec.loc(),
                                          hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
-            seq = self._seq_len()
-            first = None
-            for r in mine:
-                self.shards[r] = PackedData(base / spec.data["corpus"], base / spec.data["tokenizer"], seq,
-                                            spec.data.get("text_key", "text"), self.seed, shard=r, num_shards=R,
-                                            docs=first)
-                first = first or self.shards[r]
+            vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
+            train, held = load_data(spec.data, base, self._seq_len(), self.seed, vocab)
+            self.shards = {r: train.shard(r, R) for r in mine}
+            self.held = held if self.comm is None else None
         self.start_step = 0
         if opts.resume is not None and self.is_writer:
             state, ck = checkpoint.load(opts.resume)
@@ -152,6 +167,9 @@ class Trainer:
                          for r in range(R)]
         self._step_now = self.start_step
         self._stop_requested = False
+        from .summary import RunSummary
+
+        self.summary = RunSummary(self, int(self.cfg["eval_every"]), int(self.cfg["eval_batches"]), self.seed)
 
     def _seq_len(self) -> int:
         typed = self.plan.typed
@@ -189,7 +207,7 @@ class Trainer:
         accum = self.accum
         R = self.interp.replicas
         comm = self.comm
-        losses, accs = [], []
+        losses, accs, counts = [], [], 0
         ranks: dict[int, list[float]] = {}
         t_step = time.perf_counter()
         wait0 = comm.wait_seconds if comm else 0.0
@@ -216,6 +234,7 @@ class Trainer:
                         (out["loss"] / (R * accum)).backward()
                     losses.append(float(out["loss"].detach()))
                     accs.append(out["slot_acc"].detach().float().cpu())
+                    counts = counts + out["accepted"].detach().double().cpu()
                 del res, out
                 if comm is not None:
                     if self.receives[r]:
@@ -227,7 +246,8 @@ class Trainer:
         if self.is_writer:
             m = self._optimizer_step()
             acc = torch.stack(accs).mean(0)
-            m.update({"loss": sum(losses) / len(losses), "slot_acc": [round(float(a), 4) for a in acc.tolist()]})
+            m.update({"loss": sum(losses) / len(losses), "slot_acc": [round(float(a), 4) for a in acc.tolist()],
+                      **acceptance(counts.tolist())})
         wait = (comm.wait_seconds - wait0) if comm else 0.0
         ranks[self.rank] = [time.perf_counter() - t_step - wait, wait]
         m["ranks"] = {str(k): {"busy_s": round(v[0], 4), "wait_s": round(v[1], 4)} for k, v in sorted(ranks.items())}
@@ -307,11 +327,18 @@ class Trainer:
                     rec = {"step": step, "loss": round(m["loss"], 6), "tokens_per_s": round(self.tokens_per_step / dt, 1),
                            "slot_acc": m["slot_acc"],
                            "acc": round(sum(m["slot_acc"][1:]) / max(len(m["slot_acc"]) - 1, 1), 4),
+                           "tau": m["tau"], "slot_accept": m["slot_accept"],
                            "lr": m["lr"], "grad_norm": round(m["grad_norm"], 4), "step_seconds": round(dt, 4),
                            "ranks": m["ranks"], "memory_bytes": self._memory_now()}
+                    self.summary.update(rec)
+                    ev = self.summary.maybe_eval(step, self.steps)
+                    if ev is not None:
+                        rec["heldout"] = {k: v for k, v in ev.items() if k != "step"}
                     mf.write(json.dumps(rec) + "\n")
                     mf.flush()
                     self._progress(rec, t_start)
+                    if ev is not None:
+                        self._eval_line(ev)
                 if stop["requested"]:
                     interrupted = True
                     break
@@ -344,7 +371,7 @@ class Trainer:
             return 130
         if self.is_writer:
             self._save(step)
-        self._write_memory()
+        devices = self._write_memory()
         if self.comm is not None:
             self.comm.close()
         if interrupted:
@@ -352,9 +379,14 @@ class Trainer:
                   file=sys.stderr)
             return 130
         if self.is_writer:
-            print(f"done: {step} steps; metrics in {metrics_path}, memory report in {out / 'memory.json'}, "
-                  f"checkpoint in {out / 'checkpoint'}")
+            print(self.summary.render(step, out, {d: (r["predicted_peak_bytes"], r.get("measured_peak_bytes"))
+                                                  for d, r in devices.items()}))
         return 0
+
+    def _eval_line(self, ev: dict) -> None:
+        if self.opts.progress and sys.stdout.isatty():
+            print()
+        print(self.summary.eval_line(ev), flush=True)
 
     def _stop_distributed(self, step: int, lost) -> int:
         """A rank was lost or Ctrl-C was pressed under torchrun: say why, keep what is consistent, exit at once.
@@ -461,12 +493,12 @@ class Trainer:
                                                             "measured_reserved_bytes": int(r)}
         return devices, nodes
 
-    def _write_memory(self) -> None:
+    def _write_memory(self) -> dict[str, Any]:
         devices, nodes = self._local_memory()
         if self.comm is not None:
             gathered = self.comm.gather((devices, nodes), dst=self.writer)
             if not self.is_writer:
-                return
+                return {}
             devices, nodes = {}, {}
             for devs, nds in gathered:
                 devices.update(devs)
@@ -480,3 +512,4 @@ class Trainer:
                                "devices": {d: devices[d] for d in self.plan.memory.devices if d in devices},
                                "nodes": nodes}
         (self.opts.out / "memory.json").write_text(json.dumps(out, indent=2))
+        return out["devices"]

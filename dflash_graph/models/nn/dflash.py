@@ -44,7 +44,10 @@ __all__ = [
     "block_token_ids",
     "dflash_attention_mask",
     "document_ids",
+    "anchor_grid",
+    "eligible_anchors",
     "sample_anchors",
+    "slot_valid",
 ]
 
 
@@ -85,32 +88,23 @@ def _document_ends(doc: Tensor) -> Tensor:
     return ends[doc] if t else doc.clone()
 
 
-def sample_anchors(
-    loss_mask: Tensor,
-    position_ids: Tensor,
-    block_size: int,
-    max_anchors: int,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Up to ``max_anchors`` anchor positions, sorted, int64 [A].
+def _document_starts(doc: Tensor) -> Tensor:
+    """[T] index of the first token of each token's document."""
+    if doc.numel() == 0:
+        return doc.clone()
+    counts = torch.bincount(doc)
+    return (torch.cumsum(counts, 0) - counts)[doc]
 
-    Drawn uniformly without replacement from the positions ``p`` with
-    ``loss_mask[p]`` true and ``p + block_size <= end of p's document`` (so the
-    whole block ``p .. p+B-1`` lies inside p's document, and therefore inside
-    the sequence). This is stricter than "excluding the last block_size
-    positions" of the sequence (speculators ``select_anchors``:
-    ``valid[-block_size:] = False``): a block that crosses into the next
-    packed document would be supervised with targets computed from another
-    document's prefix (verifier logits at p+k-1 belong to the next document
-    once p+k-1 passes the boundary), while the drafter only sees p's document.
-    At the end of the sequence it admits ``p = T - B`` (a block that exactly
-    fits), which speculators drops. Fewer than ``max_anchors`` come back when
-    fewer positions qualify (possibly none: shape [0]).
+
+def eligible_anchors(loss_mask: Tensor, position_ids: Tensor, block_size: int) -> Tensor:
+    """bool [T]: positions ``p`` that may anchor a block, before the grid and the draw.
+
+    ``loss_mask[t]`` marks the tokens the drafter learns to predict (every token after a document's first for
+    text; the assistant's tokens for chat data). ``p`` qualifies when the token it drafts first, ``p + 1``, is a
+    loss token of p's own document, and the whole block ``p .. p+B-1`` lies inside p's document.
     """
     if block_size < 1:
         raise ValueError(f"block_size: must be positive, got {block_size}")
-    if max_anchors < 0:
-        raise ValueError(f"max_anchors: must be >= 0, got {max_anchors}")
     if loss_mask.dim() != 1 or loss_mask.shape != position_ids.shape:
         raise ValueError(
             f"loss_mask {tuple(loss_mask.shape)} and position_ids "
@@ -119,14 +113,97 @@ def sample_anchors(
     doc = document_ids(position_ids)
     t = doc.numel()
     idx = torch.arange(t, device=doc.device)
-    ok = loss_mask.to(torch.bool) & (idx + block_size <= _document_ends(doc))
-    cand = idx[ok]
-    n = cand.numel()
-    if n > max_anchors:
-        dev = generator.device if generator is not None else cand.device
-        perm = torch.randperm(n, generator=generator, device=dev)[:max_anchors]
-        cand = cand[perm.to(cand.device)]
-    return torch.sort(cand).values
+    ends = _document_ends(doc)
+    nxt = torch.zeros(t, dtype=torch.bool, device=doc.device)
+    nxt[:-1] = loss_mask[1:].to(torch.bool)
+    return nxt & (idx + 1 < ends) & (idx + block_size <= ends)
+
+
+def _rand(n: int, generator: torch.Generator | None, device) -> Tensor:
+    dev = generator.device if generator is not None else device
+    return torch.rand(n, generator=generator, device=dev).to(device)
+
+
+def anchor_grid(loss_mask: Tensor, position_ids: Tensor, block_size: int,
+                generator: torch.Generator | None = None) -> Tensor:
+    """Steps 1-2 of ``sample_anchors``: the eligible positions on each document's grid of stride B (a random
+    phase per document, the generator's first draw), sorted int64 [C]."""
+    ok = eligible_anchors(loss_mask, position_ids, block_size)
+    doc = document_ids(position_ids)
+    t = doc.numel()
+    if t == 0:
+        return doc.clone()
+    dev = doc.device
+    idx = torch.arange(t, device=dev)
+    nd = int(doc[-1]) + 1
+    phase = torch.floor(_rand(nd, generator, dev) * block_size).to(torch.long).clamp_max(block_size - 1)
+    on_grid = torch.remainder(idx - _document_starts(doc) - phase[doc], block_size) == 0
+    return idx[ok & on_grid]
+
+
+def sample_anchors(
+    loss_mask: Tensor,
+    position_ids: Tensor,
+    block_size: int,
+    max_anchors: int,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Up to ``max_anchors`` anchor positions, sorted, int64 [A], drawn per document, never overlapping.
+
+    1. Eligible positions: ``eligible_anchors`` (the first drafted token is a loss token of the anchor's
+       document and the block fits inside it).
+    2. A grid per document: each document draws a phase ``o`` in ``[0, B)`` and keeps the eligible positions
+       at ``o, o+B, o+2B, ...`` from its first token. Blocks on one grid tile the document, so no two blocks
+       overlap; over draws every eligible position is on the grid with probability 1/B.
+    3. Quotas per document: with ``C`` grid candidates in all and ``c_d`` in document ``d``, document ``d``
+       gets ``floor(A * c_d / C)`` anchors, and the ``A - sum`` left over go to the documents with the
+       largest remainders (ties broken at random). So every document gets its proportional share, whatever
+       else is packed into the row (the cap is on the row, the draw is per document).
+    4. Within a document: its quota, uniformly without replacement among its candidates.
+
+    All candidates come back when there are at most ``max_anchors`` (possibly none: shape [0]).
+    """
+    if max_anchors < 0:
+        raise ValueError(f"max_anchors: must be >= 0, got {max_anchors}")
+    cand = anchor_grid(loss_mask, position_ids, block_size, generator)
+    c = cand.numel()
+    if c <= max_anchors:
+        return cand
+    doc = document_ids(position_ids)
+    dev = doc.device
+    nd = int(doc[-1]) + 1
+    cd = doc[cand]
+    per_doc = torch.bincount(cd, minlength=nd)                      # c_d
+    num = max_anchors * per_doc                                     # exact integer shares: A * c_d / C
+    quota = num // c
+    rem = num % c
+    left = max_anchors - int(quota.sum())
+    if left:
+        tie = _rand(nd, generator, dev)
+        order = torch.argsort(tie)
+        order = order[torch.argsort(-rem[order], stable=True)]     # largest remainder first, random ties
+        quota[order[:left]] += 1
+    key = _rand(c, generator, dev)
+    order = torch.argsort(key)
+    order = order[torch.argsort(cd[order], stable=True)]           # by document, random within one
+    first = torch.cumsum(per_doc, 0) - per_doc
+    rank = torch.arange(c, device=dev) - first[cd[order]]
+    chosen = order[rank < quota[cd[order]]]
+    return torch.sort(cand[chosen]).values
+
+
+def slot_valid(loss_mask: Tensor, anchors: Tensor, n_real: int, block_size: int) -> Tensor:
+    """bool [A, B]: slot k of anchor a is scored. Slot 0 marks a real anchor (the first ``n_real``); slot
+    k >= 1 also needs token ``anchors[a] + k`` to be a loss token (a block running past the end of an
+    assistant turn is not scored on the user's next words)."""
+    anchors = _as_1d_long(anchors, "anchors")
+    a = anchors.numel()
+    real = torch.arange(a, device=anchors.device) < n_real
+    t = loss_mask.numel()
+    pos = (anchors[:, None] + torch.arange(block_size, device=anchors.device)[None, :]).clamp_max(max(t - 1, 0))
+    out = loss_mask.to(torch.bool)[pos] & real[:, None]
+    out[:, 0] = real
+    return out
 
 
 def block_token_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:

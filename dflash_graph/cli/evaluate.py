@@ -1,0 +1,82 @@
+"""`dflash-graph eval GRAPH --checkpoint DIR`: real speculative decoding with the target and the trained drafter
+on held-out prompts (train/speculative.py), against target-only greedy decoding; `dflash-graph export DIR --out
+HF_DIR`: the drafter in the DFlash draft format (train/export.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import GraphError, Location, Problem
+from ..rewrite.pipeline import compile_graph
+
+
+def run_record(d: Path) -> dict:
+    """What `run` wrote about itself into its --out directory (graph file and --set overrides)."""
+    for f in (d / "run.json", d.parent / "run.json"):
+        if f.exists():
+            return json.loads(f.read_text())
+    return {}
+
+
+def _plan(graph: str | None, overrides: list[str], ckpt: Path):
+    rec = run_record(ckpt)
+    graph = graph or rec.get("graph")
+    if graph is None:
+        raise GraphError(Problem(f"which graph trained {ckpt}? it has no run.json", Location(str(ckpt)),
+                                 hint="pass --graph GRAPH (and the --set overrides the run used)"))
+    same = rec.get("graph") and Path(rec["graph"]).resolve() == Path(graph).resolve()
+    return compile_graph(graph, [*(rec.get("overrides", []) if same else []), *overrides])
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from ..train.data import load_data
+    from ..train.speculative import Decoder, held_out_prompts, measure
+    from ..train.trained import Trained
+
+    torch.set_num_threads(max(1, args.threads))
+    ckpt = Path(args.checkpoint)
+    plan = _plan(args.graph, args.overrides, ckpt)
+    spec = plan.typed.ctx.spec
+    tr = Trained(plan, ckpt, args.device)
+    seq = int(tr.target.config.max_position_embeddings or 1 << 20)    # prompts come from whole documents
+    _, held = load_data(spec.data, Path(spec.data.get("_base", ".")), seq, int(spec.train["seed"]),
+                        int(tr.dims.vocab_size))
+    if held is None:
+        raise GraphError(Problem("eval decodes prompts from the held-out split, and the graph has none",
+                                 spec.loc("data"), hint="[data] holdout = 50"))
+    prompts = held_out_prompts(held, args.prompts, args.prompt_tokens)
+    eos = held.eos
+    dec = Decoder(tr.target, tr.drafter, tr.dims.target_layer_ids, int(tr.dims.block_size), eos)
+    res = {"graph": spec.name, "checkpoint": str(ckpt), "max_new_tokens": args.max_new_tokens,
+           **measure(dec, prompts, args.max_new_tokens)}
+    if args.json:
+        print(json.dumps(res))
+    else:
+        acc = " ".join(f"{a:.2f}" if a is not None else "-" for a in res["slot_accept"])
+        print(f"{spec.name}: speculative decoding of {res['prompts']} held-out prompts, up to {args.max_new_tokens} "
+              f"new tokens each, block {res['block']}, greedy verification")
+        print(f"  acceptance length tau: {res['tau']} tokens per block ({res['rounds']} blocks); slot accept {acc}")
+        print(f"  tokens per target forward: {res['tokens_per_target_forward']} (target-only greedy: "
+              f"{res['greedy_tokens_per_target_forward']})")
+        print(f"  wall time: {res['speculative_seconds']:.2f} s speculative, {res['greedy_seconds']:.2f} s target-only "
+              f"greedy ({res['speedup']}x; no KV cache in either)")
+        print(f"  lossless: {res['identical_to_greedy']} of {res['prompts']} outputs identical to target-only greedy")
+    return 0 if res["identical_to_greedy"] == res["prompts"] else 1
+
+
+def cmd_export(args) -> int:
+    from ..train.export import export
+    from ..train.trained import Trained
+
+    ckpt = Path(args.dir)
+    plan = _plan(args.graph, args.overrides, ckpt)
+    tr = Trained(plan, ckpt, "cpu")
+    out = export(tr.drafter, tr.dims, tr.norm_weight, tr.target.config, Path(args.out), args.dtype, tr.drafter_name)
+    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({args.dtype}): the DFlash draft format "
+          f"(z-lab dflash DFlashDraftModel; SGLang --speculative-algorithm DFLASH --speculative-draft-model-path {out})",
+          file=sys.stdout)
+    return 0

@@ -1,0 +1,66 @@
+"""A trained run, loaded back: the graph's target (with its weights) and the drafter (with the checkpoint's), for
+`dflash-graph eval` and `dflash-graph export`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import GraphError, Location, Problem
+from ..exec.models import ModelStore
+from ..rewrite.pipeline import Plan
+
+
+def drafter_names(plan: Plan) -> tuple[str, str]:
+    """(drafter model, target model): the trainable dflash model and the model it takes its embedding from."""
+    models = plan.typed.ctx.models
+    spec = plan.typed.ctx.spec
+    dr = [n for n, m in models.items() if m.spec.arch == "dflash"]
+    if len(dr) != 1:
+        raise GraphError(Problem(f"the graph has {len(dr)} dflash models; eval and export need exactly one",
+                                 spec.loc("models")))
+    target = models[dr[0]].component_owner("embed").split(".")[0]
+    if target == dr[0] or models[target].spec.arch != "qwen3_5":
+        raise GraphError(Problem(f"drafter '{dr[0]}' does not take its embedding from a qwen3_5 target",
+                                 spec.loc("models", dr[0], "shares"), hint='shares = { embed = "target.embed", ... }'))
+    return dr[0], target
+
+
+def checkpoint_file(ckpt: Path, drafter: str) -> Path:
+    """DIR may be a run's --out directory or its checkpoint/ directory."""
+    for d in (ckpt / "checkpoint", ckpt):
+        f = d / f"{drafter}.safetensors"
+        if f.exists():
+            return f
+    raise GraphError(Problem(f"no drafter checkpoint in {ckpt}", Location(str(ckpt)),
+                             expected=f"{ckpt}/checkpoint/{drafter}.safetensors",
+                             hint="pass the --out directory of a `dflash-graph run`"))
+
+
+class Trained:
+    def __init__(self, plan: Plan, ckpt: Path, device: str = "cpu"):
+        from safetensors.torch import load_file
+
+        self.plan = plan
+        self.drafter_name, self.target_name = drafter_names(plan)
+        self.dims = plan.typed.ctx.models[self.drafter_name].dims
+        self.store = ModelStore(plan.typed, {d: device for d in plan.typed.ctx.spec.devices},
+                                int(plan.typed.ctx.spec.train["seed"]))
+        self.target = self.store.full(self.target_name, device)
+        self.drafter = self.store.drafter(self.drafter_name, device)
+        state = load_file(str(checkpoint_file(ckpt, self.drafter_name)))
+        try:
+            self.drafter.load_state_dict({k: v.to(device) for k, v in state.items()})
+        except RuntimeError as e:
+            raise GraphError(Problem("the checkpoint does not fit this graph's drafter", Location(str(ckpt)),
+                                     actual=str(e).splitlines()[0],
+                                     hint="use the graph (and --set overrides) the run was trained with")) from None
+        self.drafter.eval()
+        self.drafter.requires_grad_(False)
+
+    @property
+    def norm_weight(self) -> torch.Tensor:
+        from ..models.nn.qwen3_5 import final_norm
+
+        return final_norm(self.target).weight.detach()
