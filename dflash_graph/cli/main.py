@@ -13,6 +13,7 @@ EXAMPLES = """examples:
   dflash-graph check graphs/qwen27b.toml --no-rewrite    # the graph exactly as written
   dflash-graph check graphs/tiny.toml --json --set dims.seq=512
   dflash-graph run graphs/tiny.toml                      # train the embedded tiny default on CPU
+  dflash-graph prove                                     # prove every rewrite rule for all sizes (z3)
 """
 
 
@@ -57,6 +58,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="run even if check predicts an OOM")
     r.add_argument("--no-rewrite", action="store_true", help="run the graph exactly as written")
     r.add_argument("--no-progress", action="store_true", help="print plain log lines instead of a progress bar")
+    pv = sub.add_parser("prove", help="prove every rewrite rule for all sizes with an SMT solver (z3)",
+                        description="Prove each rewrite rule's theorem, built from the ops' declared traits, for every "
+                                    "size, offset, index and rank (docs/rules/). Exit 0: every theorem as required; "
+                                    "1: a theorem failed (its counterexample is printed).")
+    pv.add_argument("-v", "--verbose", action="store_true", help="print each theorem's statement and axioms")
+    pv.add_argument("-k", dest="only", default=None, help="only theorems whose name contains this")
     return ap
 
 
@@ -76,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "run":
             from .run import cmd_run
             return cmd_run(args)
+        if args.cmd == "prove":
+            from ..rewrite.proofs import run_cli
+            return run_cli(verbose=args.verbose, only=args.only)
     except GraphError as e:
         print(str(e), file=sys.stderr)
         return 2
