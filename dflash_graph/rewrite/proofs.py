@@ -329,7 +329,7 @@ def _remap_parts(sel_op: OpDef, remap_op: OpDef, check_range: bool | None):
              ("pre", pre), ("post", post), ("lhs", lhs), ("rhs", rhs)]
     eq = (f"{sel_op.name}({remap_op.name}(x, {remap.shift_param}=k, {remap.axis_param}=a), idx)[pre, J, post] == "
           f"{sel_op.name}(x, {op_name}(idx, {', '.join(f'{p}={v}' for p, v in _show_params(params))}))[pre, J, post]")
-    nice = [n <= 4, z3.Length(J) <= 1, z3.Length(pre) <= 1, z3.Length(post) <= 1, *_small(pre, J, post),
+    nice = [n <= 4, z3.Length(J) == 1, z3.Length(pre) <= 1, z3.Length(post) <= 1, *_small(pre, J, post),
             k >= -8, k <= 8]
     return SimpleNamespace(t=t, facts=facts, checks=checks, lhs=lhs, rhs=rhs, named=named, eq=eq, v=idx(J), n=n,
                            tensors=[("x", x)], nice=nice)
@@ -650,7 +650,9 @@ def _round_trip_theorem(op: OpDef) -> Theorem:
         f"transfer_round_trip[{op.name}]", "transfer_round_trip",
         f"{op.name}({op.name}(x, A->B), B->A) = x at every index, on A",
         (f"{op.name} declares movement: out[i] = x[i] on the node's device"
-         + (" (checked against its Traits.reference)" if op.traits.reference else ""),),
+         + (" (checked against its Traits.reference)" if op.traits.reference else ""),
+         "from a device group and back, replica r's value returns to replica r (exec: ExecContext.send)",
+         "the rule fires only when the second movement ends on the first one's source device (rules.py checks it)"),
         check)
 
 
