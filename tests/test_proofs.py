@@ -223,6 +223,76 @@ def test_the_rule_inserts_the_check():
     assert op == "index_shift" and params == {"shift": 65535, "modulo": 65536, "check_range": True}
 
 
+_ROLL_GATHER = """
+[dims]
+n = 8
+
+[devices.d0]
+torch = "cpu"
+capacity = "1 GiB"
+
+[[nodes]]
+id = "x"
+op = "rand_input"
+device = "d0"
+params = { rank = 2, d0 = 8, d1 = 4 }
+
+[[nodes]]
+id = "idx"
+op = "rand_input"
+device = "d0"
+params = { rank = 1, d0 = 2, dtype = "int64", values = [1, LAST] }
+
+[[nodes]]
+id = "rolled"
+op = "roll"
+device = "d0"
+inputs = { x = "x.out" }
+params = { shift = 1 }
+
+[[nodes]]
+id = "rows"
+op = "gather"
+device = "d0"
+inputs = { x = "rolled.out", index = "idx.out" }
+
+[[nodes]]
+id = "result"
+op = "output"
+device = "d0"
+inputs = { x = "rows.out" }
+"""
+
+
+def test_the_rewritten_graph_stops_where_it_would_differ():
+    """gather(roll(x, 1), idx) on 8 rows: with idx = [1, 7] the rewritten graph computes the same rows; with
+    idx = [1, 8] the graph as written clamps 8 to 7, and the rewritten one stops at the inserted check."""
+    from dflash_graph.analysis.infer import build, infer
+    from dflash_graph.analysis.memory import live_peaks
+    from dflash_graph.exec.interpreter import Interpreter
+    from dflash_graph.exec.models import ModelStore
+    from dflash_graph.rewrite.engine import rewrite
+    from dflash_graph.spec.loader import parse_graph
+    from strategies import RAND_INPUT
+
+    def run(typed):
+        interp = Interpreter(typed, ModelStore(typed, {"d0": "cpu"}), {"d0": "cpu"}, strict=True, track_memory=False)
+        ref = typed.graph["result"].input("x")
+        return interp.run_replica(0, lambda _r: {}, keep=frozenset([ref]))[ref.node][ref.output]
+
+    with registry.registered(RAND_INPUT):
+        for last in (7, 8):
+            typed = infer(*build(parse_graph(_ROLL_GATHER.replace("LAST", str(last)), "roll_gather.toml")))
+            new, applied = rewrite(typed, rules.DEFAULT_TABLES, live_peaks)
+            assert [a.rule for a in applied] == ["gather_through_remap", "drop_unused"]
+            as_written = run(typed)
+            if last == 7:
+                assert torch.equal(run(new), as_written)
+            else:
+                with pytest.raises(ValueError, match=r"outside \[0, 8\).*--no-rewrite \(index 8 at \[1\]\)"):
+                    run(new)
+
+
 # -- running them ------------------------------------------------------------------------------------------------
 
 def test_cli_prove_prints_each_theorem_and_its_time(capsys):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from types import SimpleNamespace
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -308,7 +308,7 @@ def _remap_parts(sel_op: OpDef, remap_op: OpDef, check_range: bool | None):
     sel, remap = sel_op.traits.selection, remap_op.traits.remap
     n, k, a, r = z3.Ints("n shift axis rank_idx")
     pre, post, J = z3.Const("pre", t.IDX), z3.Const("post", t.IDX), z3.Const("J", t.IDX)
-    x_t, x = t.input("x", "s")
+    _, x = t.input("x", "s")
     idx_t, idx = t.input("idx", "s", int)
     X = lambda p, i, q: x(t.cat(p, t.unit(i), q))                  # noqa: E731  x[*pre, i, *post]
     # IndexRemap(shift_param, axis_param): out[..., i, ...] = x[..., (i - shift) mod n, ...] along axis_param
@@ -469,7 +469,6 @@ def _positionwise_theorem(op: OpDef, sel_op: OpDef, out_port: Port, leading: boo
         z3 = t.z3
         params = _params_for(op, t, n_inputs)
         in_ports = op.input_ports(params, n_inputs)
-        oports = op.output_ports(params)
         okinds = kinds_of(out_port.dims)
         g_out = _group_slot(out_port.dims, group)
         k, r = z3.Ints("k rank_idx")
@@ -477,7 +476,7 @@ def _positionwise_theorem(op: OpDef, sel_op: OpDef, out_port: Port, leading: boo
         P, J, Q = (z3.Const(s, t.IDX) for s in ("P", "J", "Q"))
         if not leading:
             P = z3.Empty(t.IDX)
-        idx_t, idx = t.input("idx", "s", int)
+        _, idx = t.input("idx", "s", int)
         ins, fns = {}, []
         for p in in_ports:
             x, f = t.input(p.name, kinds_of(p.dims), _dtype(p, in_ports))
