@@ -137,6 +137,50 @@ def test_cumsum_declared_positionwise_over_the_other_axes_is_proven():
     assert len(outs) == 2 and all(o.status == "proved" for o in outs), proofs.render(outs)
 
 
+def _flip(t, p, x):
+    """out[..., i, ...] = x[..., n - 1 - i, ...] along `axis`: a permutation of positions, but not a roll."""
+    a = p["axis"]
+
+    def at(G):
+        i = t.nth(G, a)
+        return x.at(t.cat(t.take(G, 0, a), t.unit(x.size(a) - 1 - i), t.take(G, a + 1, t.length(G) - a - 1)))
+    return {"out": t.tensor(("s",), at)}
+
+
+def _ring(t, p, x):
+    """torch.roll written out: out[..., i, ...] = x[..., (i - k) mod n, ...] along `dim`."""
+    a, n = p["dim"], x.size(p["dim"])
+
+    def at(G):
+        i = t.nth(G, a)
+        return x.at(t.cat(t.take(G, 0, a), t.unit((i - p["k"]) % n), t.take(G, a + 1, t.length(G) - a - 1)))
+    return {"out": t.tensor(("s",), at)}
+
+
+def _remap_op(name, shift, axis, ref):
+    from dflash_graph.ops.contract import IndexRemap, Param
+
+    return OpDef(name=name, doc="test only", inputs=(Port("x", "*x", "like:x"),), outputs=(Port("out", "*x", "like:x"),),
+                 params=(Param(shift, "int", "shift", required=True), Param(axis, "int", "axis", default=0)),
+                 traits=Traits(remap=IndexRemap(shift, axis), reference=ref))
+
+
+def test_a_remap_under_other_param_names_is_proven():
+    with registry.registered(_remap_op("ring_shift", "k", "dim", _ring)):
+        th = next(t for t in proofs.theorems() if t.name == "gather_through_remap[gather o ring_shift]")
+        out = proofs.prove(th)
+    assert out.status == "proved", out.detail
+
+
+def test_a_flip_declared_as_a_remap_is_refuted():
+    with registry.registered(_remap_op("flip", "shift", "axis", _flip)):
+        th = next(t for t in proofs.theorems() if t.name == "gather_through_remap[gather o flip]")
+        out = proofs.prove(th)
+    assert out.status == "refuted"
+    assert out.detail.startswith("equality that broke: gather(flip(x, shift=k, axis=a), idx)[pre, J, post]")
+    assert Fraction(_field(out.detail, "lhs")) != Fraction(_field(out.detail, "rhs"))
+
+
 # -- the rules' own arithmetic is what is proven ------------------------------------------------------------------
 
 def test_an_off_by_one_in_the_rule_breaks_its_proof(monkeypatch):

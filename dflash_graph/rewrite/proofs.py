@@ -56,6 +56,7 @@ class Tensor:
     sequence of integers, any length); `at(*index)` is the value there (a solver term)."""
     kinds: tuple[str, ...]
     at: Callable[..., Any]
+    size: Callable[[Any], Any] | None = None     # the size of a flat axis, where the theorem knows it
 
 
 class Algebra:
@@ -308,12 +309,18 @@ def _remap_parts(sel_op: OpDef, remap_op: OpDef, check_range: bool | None):
     sel, remap = sel_op.traits.selection, remap_op.traits.remap
     n, k, a, r = z3.Ints("n shift axis rank_idx")
     pre, post, J = z3.Const("pre", t.IDX), z3.Const("post", t.IDX), z3.Const("J", t.IDX)
-    _, x = t.input("x", "s")
+    x_t, x = t.input("x", "s")
     idx_t, idx = t.input("idx", "s", int)
+    size = z3.Function("size_of_x", z3.IntSort(), z3.IntSort())
+    x_t = Tensor(x_t.kinds, x_t.at, size)
     X = lambda p, i, q: x(t.cat(p, t.unit(i), q))                  # noqa: E731  x[*pre, i, *post]
-    # IndexRemap(shift_param, axis_param): out[..., i, ...] = x[..., (i - shift) mod n, ...] along axis_param
-    rparams = {remap.shift_param: k, remap.axis_param: a}
-    Y = lambda p, i, q: X(p, (i - rparams[remap.shift_param]) % n, q)   # noqa: E731
+    rparams = {**_params_for(remap_op, t, 0), remap.shift_param: k, remap.axis_param: a}
+    if remap_op.traits.reference is not None:   # the op's own definition: the IndexRemap trait is checked
+        (rin,), (rout,) = remap_op.input_ports(rparams), remap_op.output_ports(rparams)
+        y_t = remap_op.traits.reference(t, rparams, **{rin.name: x_t})[rout.name]
+        Y = lambda p, i, q: y_t.at(t.cat(p, t.unit(i), q))          # noqa: E731
+    else:   # IndexRemap(shift_param, axis_param): out[..., i, ...] = x[..., (i - shift) mod n, ...] along axis_param
+        Y = lambda p, i, q: X(p, (i - rparams[remap.shift_param]) % n, q)   # noqa: E731
     lhs = _select(t, sel, Y, idx, n)(pre, J, post)
     op_name, params = rules.remap_index(k, n)
     if check_range is not None:
@@ -323,7 +330,7 @@ def _remap_parts(sel_op: OpDef, remap_op: OpDef, check_range: bool | None):
     (iport,) = shift_op.input_ports(params)
     new_idx = ref(t, params, **{iport.name: idx_t})["out"]
     rhs = _select(t, sel, X, new_idx.at, n)(pre, J, post)
-    facts = [n >= 1, a >= 0, r >= 0, z3.Length(pre) == a, z3.Length(J) == r]
+    facts = [n >= 1, a >= 0, r >= 0, z3.Length(pre) == a, z3.Length(J) == r, size(a) == n]
     checks = [c for c, _ in t.requires]
     named = [("n (axis length)", n), ("shift", k), ("axis", a), ("index J", J), ("idx[J]", idx(J)),
              ("pre", pre), ("post", post), ("lhs", lhs), ("rhs", rhs)]
@@ -348,7 +355,8 @@ def _remap_theorem(sel_op: OpDef, remap_op: OpDef) -> Theorem:
         f"gather_through_remap[{sel_op.name} o {remap_op.name}]", "gather_through_remap",
         f"for all n >= 1, shift k, axis a, rank, index J and idx[J] that pass the inserted check: "
         f"{sel_op.name}({remap_op.name}(x, k, a), idx, a) = {sel_op.name}(x, (idx - k) mod n, a) at [pre, J, post]",
-        (f"{remap_op.name} declares IndexRemap: out[..., i, ...] = x[..., (i - shift) mod n, ...]",
+        (f"{remap_op.name} by its Traits.reference (its IndexRemap is checked)" if remap_op.traits.reference else
+         f"{remap_op.name} declares IndexRemap: out[..., i, ...] = x[..., (i - shift) mod n, ...]",
          f"{sel_op.name} declares Selection (out_of_range = {sel_op.traits.selection.out_of_range!r}): "
          "out[pre, J, post] = x[pre, idx[J], post]",
          "index_shift by its Traits.reference: (index + shift) mod modulo, check_range: 0 <= index < modulo"),
