@@ -146,7 +146,7 @@ def test_remap_legality_from_traits(qwen_text, plans, request):
     assert {d: m.peak_bytes for d, m in plan.memory.devices.items()} == \
            {d: m.peak_bytes for d, m in stock.memory.devices.items()}
     shift = plan.typed.graph["verifier_targets_index_on_targets"]
-    assert shift.op == "index_shift" and dict(shift.params) == {"shift": SEQ - 1, "modulo": SEQ}
+    assert shift.op == "index_shift" and dict(shift.params) == {"shift": SEQ - 1, "modulo": SEQ, "check_range": True}
 
 
 def test_remap_param_values_are_read_through_the_trait(qwen_text, request):
@@ -154,7 +154,8 @@ def test_remap_param_values_are_read_through_the_trait(qwen_text, request):
     text = _variant(qwen_text, "verifier_roll", op='"ring_shift"', params="{ k = 3, dim = 0 }")
     with registry.registered(RING_SHIFT):
         plan = plan_of(text, request.config.rootpath)
-        assert dict(plan.typed.graph["verifier_targets_index_on_targets"].params) == {"shift": SEQ - 3, "modulo": SEQ}
+        assert dict(plan.typed.graph["verifier_targets_index_on_targets"].params) == {"shift": SEQ - 3, "modulo": SEQ,
+                                                                                     "check_range": True}
         other = plan_of(_variant(qwen_text, "verifier_roll", op='"ring_shift"', params="{ k = 3, dim = 1 }"),
                         request.config.rootpath)
     assert "gather_through_remap" not in {a.rule for a in other.applied}

@@ -15,6 +15,7 @@ EXAMPLES = """examples:
   dflash-graph run graphs/tiny.toml                      # train the embedded tiny default on CPU
   dflash-graph eval graphs/tiny.toml --checkpoint runs/tiny   # speculative decoding: measured acceptance length
   dflash-graph export runs/tiny --out runs/tiny/hf       # the drafter in the DFlash format SGLang loads
+  dflash-graph prove                                     # prove every rewrite rule for all sizes (z3)
 """
 
 
@@ -82,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
                    help="overrides, as given to run (added to those in DIR/run.json)")
     x.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="weight dtype (default bfloat16, as published DFlash drafters)")
+    pv = sub.add_parser("prove", help="prove every rewrite rule for all sizes with an SMT solver (z3)",
+                        description="Prove each rewrite rule's theorem, built from the ops' declared traits, for every "
+                                    "size, offset, index and rank (docs/rules/). Exit 0: every theorem as required; "
+                                    "1: a theorem failed (its counterexample is printed).")
+    pv.add_argument("-v", "--verbose", action="store_true", help="print each theorem's statement and axioms")
+    pv.add_argument("-k", dest="only", default=None, help="only theorems whose name contains this")
     return ap
 
 
@@ -104,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd in ("eval", "export"):
             from . import evaluate
             return evaluate.cmd_eval(args) if args.cmd == "eval" else evaluate.cmd_export(args)
+        if args.cmd == "prove":
+            from ..rewrite.proofs import run_cli
+            return run_cli(verbose=args.verbose, only=args.only)
     except GraphError as e:
         print(str(e), file=sys.stderr)
         return 2

@@ -206,14 +206,25 @@ register(OpDef(
     impl=f"{IMPL}:roll",
 ))
 
+def _index_shift_ref(t, p, index):
+    def at(*ix):
+        v = index.at(*ix)
+        if p.get("check_range"):
+            t.require(t.all(v >= 0, v < p["modulo"]), "index_shift: 0 <= index < modulo (check_range)")
+        return (v + p["shift"]) % p["modulo"]
+    return {"out": t.tensor(index.kinds, at, int)}
+
+
 register(OpDef(
     name="index_shift",
     doc="Index arithmetic: (index + shift) mod modulo, elementwise.",
     inputs=(Port("index", "*i", "int64"),),
     outputs=(Port("out", "*i", "int64"),),
     params=(Param("shift", "int", "Added to every index.", required=True),
-            Param("modulo", "int", "Result is taken modulo this (the length of the indexed axis).", required=True)),
-    traits=Traits(positionwise="i"),
+            Param("modulo", "int", "Result is taken modulo this (the length of the indexed axis).", required=True),
+            Param("check_range", "bool", "Raise unless every index is in [0, modulo) (set by gather_through_remap, "
+                                         "which is exact only for in-range indices).", default=False)),
+    traits=Traits(positionwise="i", reference=_index_shift_ref),
     cost=costs.no_workspace,
     impl=f"{IMPL}:index_shift",
 ))

@@ -58,6 +58,9 @@ class Selection:
     source: str
     index: str
     axis_param: str
+    # what the implementation does with an index outside [0, n): "clamp" to [0, n-1] (torch_impl.gather) or
+    # "error"; read by the proofs (rewrite/proofs.py), which find where a rule is exact only for in-range indices
+    out_of_range: str = "clamp"
 
 
 @attrs.frozen
@@ -76,6 +79,10 @@ class Traits:
     decompose: Callable | None = None
     # new params when the given optional outputs are dropped (None: the node cannot drop them alone)
     drop_outputs: Callable[[Mapping[str, Any], frozenset[str]], Mapping[str, Any]] | None = None
+    # the op's index-level definition, for the proofs (rewrite/proofs.py): (t, params, **inputs) -> {output: tensor},
+    # written with the proof algebra `t` (tensors are functions of their index). When given, the traits above are
+    # checked against it; when absent, they are the proofs' axioms.
+    reference: Callable | None = None
 
 
 @attrs.frozen

@@ -82,7 +82,19 @@ def roll(c, x):
 
 
 def index_shift(c, index):
-    return {"out": torch.remainder(index + c.params["shift"], c.params["modulo"])}
+    m = c.params["modulo"]
+    if c.params.get("check_range"):
+        # NOTE [In-range gathers]: gather_through_remap is exact only for 0 <= idx < n (gather clamps, the shifted
+        # index wraps); rewrite/proofs.py finds that condition. On CUDA the check is asynchronous (no host sync).
+        bad = (index < 0) | (index >= m)
+        msg = (f"index_shift (gather_through_remap): an index is outside [0, {m}), where the rewritten gather "
+               f"would wrap while the gather as written clamps; fix the index, or run with --no-rewrite")
+        if index.is_cuda:
+            torch._assert_async(~bad.any(), msg)
+        elif bad.any():
+            at = tuple(int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"{msg} (index {index[at].item()} at {list(at)})")
+    return {"out": torch.remainder(index + c.params["shift"], m)}
 
 
 def norm(c, x):

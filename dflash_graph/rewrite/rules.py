@@ -14,12 +14,17 @@ def _op(node: Node):
     return registry.get(node.op)
 
 
-def _deterministic(node: Node) -> bool:
-    """Same inputs and params, same outputs: the node may be merged with a twin (merge_duplicates) or recomputed
-    on another device (_index_on). Declared by the op: Traits.pure and Traits.deterministic (anchor_sample is
-    pure, removable when unread, but draws from the run's generator: a second copy samples other anchors)."""
-    t = _op(node).traits
+def deterministic(op) -> bool:
+    """Same inputs and params, same outputs: a node of this op may be merged with a twin (merge_duplicates) or
+    recomputed on another device (_index_on). Declared by the op: Traits.pure and Traits.deterministic
+    (anchor_sample is pure, removable when unread, but draws from the run's generator: a second copy samples
+    other anchors)."""
+    t = op.traits
     return t.pure and t.deterministic and not t.sink
+
+
+def _deterministic(node: Node) -> bool:
+    return deterministic(_op(node))
 
 
 def _sole_consumer(typed: Typed, ref: Ref, nid: str) -> bool:
@@ -45,12 +50,18 @@ DECOMPOSE = Rule("decompose_forward", "Traits.decompose",
 
 # -- dead outputs -----------------------------------------------------------------------------------------------
 
+def removable(op) -> bool:
+    """A node of this op none of whose outputs is read may be removed (rewrite/proofs.py proves it from the same
+    predicate)."""
+    return op.traits.pure and not op.traits.sink
+
+
 def _drop_unused(typed: Typed, node: Node) -> Replacement | None:
     op = _op(node)
     if op.traits.sink:
         return None
     read = typed.graph.read_outputs(node.id)
-    if not read and op.traits.pure:
+    if not read and removable(op):
         return Replacement(remove=(node.id,), touched=(node.id,))
     if op.traits.drop_outputs is None:
         return None
@@ -80,6 +91,14 @@ def _selection(typed: Typed, node: Node):
     return sel, src, typed.graph[src.node]
 
 
+def remap_index(shift, n):
+    """The node that maps a selection's index through a remap by `shift` along an axis of `n` positions:
+    roll: out[i] = x[(i - shift) mod n]  =>  gather(roll(x), idx) = gather(x, (idx - shift) mod n).
+    Exact only for 0 <= idx < n (gather clamps; rewrite/proofs.py finds the condition), so the index node checks
+    that range at run time (`check_range`). Also evaluated on solver terms by rewrite/proofs.py."""
+    return "index_shift", {"shift": -shift % n, "modulo": n, "check_range": True}
+
+
 def _gather_through_remap(typed: Typed, node: Node) -> Replacement | None:
     if (found := _selection(typed, node)) is None:
         return None
@@ -94,8 +113,8 @@ def _gather_through_remap(typed: Typed, node: Node) -> Replacement | None:
     n = typed.types[src].sizes[axis]
     shift = int(p_params[remap.shift_param])
     idx_id = typed.graph.fresh_id(f"{node.id}_index")
-    # roll: out[i] = x[(i - shift) mod n]  =>  gather(roll(x), idx) = gather(x, (idx - shift) mod n)
-    idx = Node(idx_id, "index_shift", (("index", node.input(sel.index)),), {"shift": -shift % n, "modulo": n},
+    op, params = remap_index(shift, n)
+    idx = Node(idx_id, op, (("index", node.input(sel.index)),), params,
                node.device, note=f"gather_through_remap: index of {node.id} through {prod.id}")
     (_, x_ref), = prod.inputs
     new = node.evolve(inputs=tuple((p, x_ref if p == sel.source else (Ref(idx_id, "out") if p == sel.index else r))
@@ -121,6 +140,13 @@ def _group_span(spec: str, group: str, rank: int) -> tuple[int, int] | None:
     return i, length
 
 
+def positionwise_axis(out_start, axis, in_start):
+    """The axis of an input that corresponds to `axis` of a position-wise op's output: the same place in the
+    group (the group starts at `out_start` in the output, at `in_start` in the input). Also evaluated on solver
+    terms by rewrite/proofs.py."""
+    return in_start + (axis - out_start)
+
+
 def _gather_through_positionwise(typed: Typed, node: Node) -> Replacement | None:
     if (found := _selection(typed, node)) is None:
         return None
@@ -140,7 +166,6 @@ def _gather_through_positionwise(typed: Typed, node: Node) -> Replacement | None
     span = _group_span(out_port.dims, group, len(out_t.shape))
     if span is None or not span[0] <= axis < span[0] + span[1]:
         return None
-    k = axis - span[0]
     in_ports = {p.name: p for p in pop.input_ports(pparams, len(prod.inputs))}
     add: list[Node] = []
     new_inputs = []
@@ -153,7 +178,8 @@ def _gather_through_positionwise(typed: Typed, node: Node) -> Replacement | None
         in_device = in_t.device
         index = _index_on(typed, idx_ref, in_device, add, node)
         gid = _fresh(typed, add, f"{r.node}_rows")   # the rows of r that the selection keeps
-        add.append(Node(gid, node.op, ((sel.source, r), (sel.index, index)), {**node.params, sel.axis_param: ispan[0] + k},
+        add.append(Node(gid, node.op, ((sel.source, r), (sel.index, index)),
+                        {**node.params, sel.axis_param: positionwise_axis(span[0], axis, ispan[0])},
                         in_device, note=f"gather_through_positionwise: {node.id} moved before {prod.id}"))
         new_inputs.append((port, Ref(gid, "out")))
     moved = prod.evolve(inputs=tuple(new_inputs),
@@ -207,8 +233,14 @@ GATHER_THROUGH_POSITIONWISE = Rule(
 
 # -- common subexpressions --------------------------------------------------------------------------------------
 
+def mergeable(op) -> bool:
+    """Two nodes of this op with the same params, inputs and device may become one (rewrite/proofs.py proves it
+    from the same predicate). Ops that use a model are left alone: two calls record two autograd graphs."""
+    return deterministic(op) and not op.model_arch
+
+
 def _cse(typed: Typed, node: Node) -> Replacement | None:
-    if not _deterministic(node) or _op(node).model_arch:
+    if not mergeable(_op(node)):
         return None
     key = (node.op, node.inputs, tuple(sorted((k, repr(v)) for k, v in node.params.items())), node.device)
     for other in typed.graph.nodes:
