@@ -8,6 +8,7 @@ import time
 
 
 from ..analysis.memory import MemoryReport
+from ..models.qwen3_5 import forward_lines
 from ..rewrite.pipeline import Plan, compile_graph
 from ..units import fmt_bytes
 
@@ -147,6 +148,7 @@ def cmd_check(args) -> int:
     print(f"{spec.file}: graph '{spec.name}': {len(typed.graph)} nodes on {len(spec.devices)} devices"
           + ("" if plan.rewritten else " (as written, --no-rewrite)"))
     print(typed.ctx.env.bindings_text())
+    print(*forward_lines(typed.ctx.models), sep="\n") if typed.ctx.models else None   # how each forward is assumed to run
     print(render_nodes(typed))
     print()
     print(render_rewrites(plan))

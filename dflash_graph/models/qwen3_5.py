@@ -447,6 +447,40 @@ def forward_assumption(d: Qwen35Dims, declared: Mapping[str, Any] | None = None)
             f"linear attention: {lin} ({lin_src}){tail}")
 
 
+def forward_lines(models: Mapping[str, Any]) -> list[str]:
+    """check's lines on how each qwen3_5 model's forward is assumed to run (``models`` maps a name to
+    an object with ``.spec`` (arch, forward: the declared keys) and ``.dims``)."""
+    return [f"model {name}: {forward_assumption(m.dims, m.spec.forward)}"
+            for name, m in models.items() if isinstance(getattr(m, "dims", None), Qwen35Dims)]
+
+
+_DTYPE_NAMES = {1: "int8", 2: "bfloat16", 4: "float32", 8: "float64"}
+
+
+def tensor_label(d: Qwen35Dims, seq: int, dtype_bytes: int, name: str) -> str:
+    """What a replayed tensor is, for an OOM message: the [heads, seq, seq] ones by shape and the
+    transformers line that makes them; other names as they are."""
+    nh, s = d.num_attention_heads, f"{seq:,}"
+    dt = _DTYPE_NAMES.get(dtype_bytes, f"{dtype_bytes}-byte")
+    where = {
+        "eager.qk": (dt, "eager_attention_forward: torch.matmul(query, key_states.transpose(2, 3))"),
+        "eager.scaled": (dt, "eager_attention_forward: scores * scaling"),
+        "eager.masked": (dt, "eager_attention_forward: scores + attention_mask"),
+        "eager.in32": ("float32", "eager_attention_forward: softmax(dtype=float32) input"),
+        "eager.soft": ("float32", "eager_attention_forward: softmax(dtype=float32)"),
+        "eager.weights": (dt, "eager_attention_forward: attn_weights"),
+        "math.attn0": ("float32", "sdpa math kernel: q @ k^T"),
+        "math.attn1": ("float32", "sdpa math kernel: + mask"),
+        "math.attn": ("float32", "sdpa math kernel: softmax"),
+    }
+    if name in where:
+        t, src = where[name]
+        return f"[{nh}, {s}, {s}] {t} ({src})"
+    if name in ("causal_mask", "mask.causal", "mask.same_doc", "mask.and1", "sdpa.float_mask"):
+        return f"{name} [{s}, {s}]"
+    return name
+
+
 # --------------------------------------------------------------------------------------
 # Parameters
 # --------------------------------------------------------------------------------------
