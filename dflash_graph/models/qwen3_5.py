@@ -109,9 +109,11 @@ PACKINGS = ("documents", "mask", "cu_seqlens")
 #: (integrations/hub_kernels.py ``use_kernel_func_from_hub_with_fallback``).
 LINEAR_KERNELS = ("torch", "fla")
 
-#: the pinned versions whose Python wrappers the "fla" program and the flash_attention_2 program
-#: were read from (not yet measured on a GPU; tools/gpu_check.py measures them when one is lent)
-KERNEL_VERSIONS = {"fla-core": "0.6.0", "causal-conv1d": "1.7.0", "flash-attn": "2.8.3"}
+#: the versions whose Python wrappers the "fla" program (pinned: read from the wheel and the sdist)
+#: and the flash_attention_2 program (flash-attn 2's interface; its 2.8.3 sdist cannot be unpacked
+#: without CUDA here, so no line numbers) were read from.  Not yet measured on a GPU:
+#: tools/gpu_check.py measures them when one is lent.
+KERNEL_VERSIONS = {"fla-core": "0.6.0", "causal-conv1d": "1.7.0", "flash-attn": "2"}
 
 F32 = 4  # bytes of float32: every upcast (RMSNorm, delta rule, rotary) is to fp32
 
@@ -981,8 +983,10 @@ def _flash2(lv: _Live, d: Qwen35Dims, s: int, b: int, packed: bool, out: str) ->
     _prepare_from_posids (L526-L561): query and key, transposed views of contiguous
     [b, heads, s, d] tensors, are copied by ``.contiguous()``; value (a view of v_proj's output)
     already is contiguous.  cu_seqlens are a few int32 per document.  The kernel returns out
-    [s, heads, d] and the fp32 softmax_lse [heads, s] (flash_attn_interface.py
-    _flash_attn_varlen_forward), which the Python wrapper drops (no grad).
+    [s, heads, d] and the fp32 softmax_lse [heads, s] (flash-attn 2 flash_attn_interface.py
+    _flash_attn_varlen_forward / _flash_attn_forward: maybe_contiguous copies only a tensor whose
+    last stride is not 1, then varlen_fwd / fwd return out, softmax_lse, S_dmask, rng_state), which
+    the Python wrapper drops (no grad).
     """
     nh, nkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
     # _is_packed_sequence: arange + min, - position_ids, abs, sum, bool (every layer, both cases)
@@ -1015,9 +1019,10 @@ def _gated_deltanet_fla(lv: _Live, d: Qwen35Dims, s: int, b: int, use_cache: boo
     tools/gpu_check.py measures them when a GPU is lent):
       causal-conv1d 1.7.0  causal_conv1d/causal_conv1d_interface.py CausalConv1dFn.forward L11-L60:
           x (mixed_qkv.transpose(1, 2), channel-last: stride(1) == 1) is not copied (L23-L24);
-          causal_conv1d_fwd_function allocates one output like x (cpp_functions.py), silu fused.
+          causal_conv1d_fwd_function allocates one output like x (cpp_functions.py L103),
+          silu fused.
       fla-core 0.6.0  fla/ops/gated_delta_rule/chunk.py ChunkGatedDeltaRuleFunction.forward
-          (L253-L335), under @input_guard (fla/utils/decorators.py L97-L130: every tensor
+          (L253-L335), under @input_guard (fla/utils/decorators.py L97-L133: every tensor
           argument made contiguous -- q, k, v are strided views of the conv output: copies);
           l2norm_fwd (fla/modules/norm/l2norm.py L112-L128): y like x, fp32 rstd per row;
           chunk_local_cumsum (fla/ops/utils/cumsum.py L276-L278): fp32 g like g;
