@@ -229,3 +229,15 @@ def test_run_path_packed_mask_is_transformers_forward(impl):
     # state across the boundary of a packed row (which is why "documents" is the default)
     assert torch.allclose(packed[2][:40], docs[2][:40], atol=1e-5)
     assert not torch.allclose(packed[2][40:], docs[2][40:], atol=1e-3)
+
+
+def test_gpu_check_forward_measurement_runs_on_cpu():
+    """tools/gpu_check.py's per-forward measurement (what a lent GPU runs) on CPU: MemTracker equals the program."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    for impl, packing in (("eager", "mask"), ("sdpa", "documents")):
+        rec = gc.measure_forward(gc.FORWARD_SMALL, 128, 4, impl, packing, "cpu")
+        assert rec["measured_bytes"] == rec["predicted_bytes"], rec
+    assert "skipped" in gc.measure_forward(gc.FORWARD_SMALL, 128, 4, "flash_attention_2", "cu_seqlens", "cpu") or \
+        importlib.util.find_spec("flash_attn") is not None
