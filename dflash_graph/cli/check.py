@@ -148,7 +148,8 @@ def cmd_check(args) -> int:
     print(f"{spec.file}: graph '{spec.name}': {len(typed.graph)} nodes on {len(spec.devices)} devices"
           + ("" if plan.rewritten else " (as written, --no-rewrite)"))
     print(typed.ctx.env.bindings_text())
-    print(*forward_lines(typed.ctx.models), sep="\n") if typed.ctx.models else None   # how each forward is assumed to run
+    for line in forward_lines(typed.ctx.models):   # how each model's forward is assumed to run
+        print(line)
     print(render_nodes(typed))
     print()
     print(render_rewrites(plan))
