@@ -8,6 +8,14 @@ allocator (mem_get_info). It writes OUT/gpu_check.json and prints a table.
 
     python tools/gpu_check.py --out /tmp/gpu_check             # about 2-4 minutes on one H200
     python tools/gpu_check.py --out /tmp/g --device cpu --small  # exercise the script itself without a GPU
+
+It then measures the target forward alone under each forward a graph can declare (models.<name>.attn_implementation,
+packing, linear_kernels), against the memory program check uses (dflash_graph/models/qwen3_5.py): the activation
+peak of Qwen3_5TextModel.forward above its input, torch.cuda.max_memory_allocated on a GPU, MemTracker on CPU.
+The flash-linear-attention / causal-conv1d and flash-attn programs were derived from the packages' Python wrappers
+and are "not yet measured" until this runs on a GPU with them installed: the script imports them, else installs them
+from --wheels DIR (pip --no-index; nothing else is reachable from a lent machine), else records why not
+(OUT/gpu_check.json "kernels"). --skip-graph runs only this part.
 """
 
 from __future__ import annotations
@@ -45,6 +53,104 @@ def long_documents(seq: int, path: Path) -> Path:
     return path
 
 
+# the forwards measured: (attn_implementation, packing); linear kernels are whatever imports on the machine
+FORWARDS = [("sdpa", "documents"), ("sdpa", "mask"), ("eager", "documents"), ("eager", "mask"),
+            ("flash_attention_2", "documents"), ("flash_attention_2", "cu_seqlens")]
+# the target of graphs/gpu_check.toml's width for the forward alone (4 layers: 3 Gated DeltaNet + 1 full attention)
+FORWARD_CFG = {"vocab_size": 1024, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 4,
+               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "linear_num_key_heads": 8,
+               "linear_num_value_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+FORWARD_SMALL = dict(FORWARD_CFG, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                     linear_value_head_dim=32)
+
+
+def _importable(name: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(name)
+        return True
+    except Exception:   # a CUDA extension built for another torch raises anything
+        return False
+
+
+def ensure_kernels(wheels: Path | None, device: str) -> dict[str, str]:
+    """Import each kernel package, else install it from `wheels` (pip --no-index), else say why not."""
+    want = {"fla": ["flash-linear-attention", "fla-core"], "causal_conv1d": ["causal-conv1d"],
+            "flash_attn": ["flash-attn"]}
+    status = {}
+    for mod, dists in want.items():
+        if _importable(mod):
+            status[mod] = "installed"
+            continue
+        if device != "cuda":
+            status[mod] = "not installed; not attempted on CPU (the kernels need CUDA/Triton)"
+            continue
+        if wheels is None or not wheels.is_dir():
+            status[mod] = ("not installed, and no --wheels directory: a lent machine reaches no package index; "
+                           "causal-conv1d and flash-attn ship CUDA builds only as sdists or GitHub release wheels")
+            continue
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels), *dists],
+                           capture_output=True, text=True)
+        status[mod] = "installed from --wheels" if p.returncode == 0 and _importable(mod) else \
+            "install from --wheels failed: " + (p.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    return status
+
+
+def measure_forward(cfg: dict, seq: int, docs: int, impl: str, packing: str, device: str) -> dict:
+    """One body forward (no grad, no cache): measured activation peak above the input vs the program's."""
+    import torch
+    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    from dflash_graph.models import qwen3_5 as Q
+
+    packed = packing != "documents"
+    lin = "fla" if _importable("fla") and _importable("causal_conv1d") else "torch"
+    d = Q.Qwen35Dims.from_config(cfg)
+    rec = {"attn_implementation": impl, "packing": packing, "linear_kernels": lin, "seq": seq, "docs": docs}
+    if impl == "flash_attention_2" and not _importable("flash_attn"):
+        return {**rec, "skipped": "flash-attn is not importable here"}
+    dtype = torch.bfloat16
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    model = Qwen3_5TextModel(Qwen3_5TextConfig(**cfg, attn_implementation=impl)).eval().to(dev, dtype)
+    n = seq // docs
+    pos = torch.cat([torch.arange(n)] * (docs - 1) + [torch.arange(seq - n * (docs - 1))])[None].to(dev)
+    x = torch.randn(1, seq, d.hidden_size, dtype=dtype, device=dev)
+    # documents one by one: nothing outlives a call (no grad, no cache), so the longest document's call is the peak
+    spans = [(0, seq)] if packed else [(n * (docs - 1), seq)]
+    longest = max(e - b for b, e in spans)
+    b0 = spans[0][0]
+    x, pos = x[:, b0:].clone(), pos[:, b0:].clone()   # its own input, as a run hands it over (sliced outside the
+    # tracker: MemTracker counts the storage of a view made while it tracks)
+    try:
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with torch.no_grad():
+                model(inputs_embeds=x, position_ids=pos, use_cache=False)
+            torch.cuda.synchronize()
+            measured = torch.cuda.max_memory_allocated() - base
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+            mt = MemTracker()
+            mt.track_external(model)
+            with torch.no_grad(), mt:
+                model(inputs_embeds=x, position_ids=pos, use_cache=False)
+            snap = mt.get_tracker_snapshot("peak")
+            k = next(iter(snap))
+            measured = snap[k][_MemRefType.ACT] + snap[k][_MemRefType.TEMP]
+    except torch.OutOfMemoryError as e:
+        return {**rec, "error": str(e)[:300]}
+    predicted = Q.body_forward_workspace_bytes(d, longest, 2, attention="flash" if device == "cuda" else "cpu_flash",
+                                               packed=packed, attn_implementation=impl, linear_kernels=lin)
+    # a documents run over views of the input: the slice of the longest document is the live input
+    return {**rec, "measured_bytes": measured, "predicted_bytes": predicted,
+            "ratio": round(measured / predicted, 4) if predicted else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
@@ -52,6 +158,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="tiny dims (to test the script)")
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--wheels", type=Path, help="a directory of wheels to install the kernel packages from")
+    ap.add_argument("--skip-graph", action="store_true", help="only the forward measurements")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sets = SMALL if args.small else []
@@ -75,7 +183,7 @@ def main() -> int:
         device_map = ["--device-map", "cuda:*=cpu"]
         info = {"gpu": None}
     results = {"machine": info, "graph": str(GRAPH.relative_to(ROOT)), "variants": {}}
-    for name, extra, _ in VARIANTS:
+    for name, extra, _ in ([] if args.skip_graph else VARIANTS):
         out = args.out / name
         cmd = [sys.executable, "-m", "dflash_graph", "run", str(GRAPH), "--steps", str(args.steps), "--out", str(out),
                "--no-progress", *device_map, *common, *extra]
@@ -100,6 +208,28 @@ def main() -> int:
         print(f"{name:<22} {m['predicted_peak_bytes'] / g:>10.2f}Gi {m.get('measured_peak_bytes', 0) / g:>10.2f}Gi "
               f"{m.get('ratio', 0):>7.3f} {(pr or 0) / g:>10.2f}Gi {(mr or 0) / g:>10.2f}Gi "
               f"{(mr / pr if pr and mr else 0):>7.3f} {m.get('measured_outside_allocator_bytes', 0) / g:>8.2f}Gi")
+    # ---- the target forward alone, per declared forward ----
+    sys.path.insert(0, str(ROOT))
+    results["kernels"] = ensure_kernels(args.wheels, args.device)
+    fcfg, fseq = (FORWARD_SMALL, 256) if args.small else (FORWARD_CFG, 8192)
+    results["forwards"] = []
+    for impl, packing in FORWARDS:
+        if impl == "eager" and not args.small:
+            fs = 2048    # eager's [heads, seq, seq] scores: keep them small
+        else:
+            fs = fseq
+        rec = measure_forward(fcfg, fs, 4, impl, packing, args.device)
+        results["forwards"].append(rec)
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    print(f"\nkernel packages: " + ", ".join(f"{k}: {v}" for k, v in results["kernels"].items()))
+    print(f"{'forward':<34} {'linear':>6} {'seq':>6} {'measured':>12} {'predicted':>12} {'ratio':>7}")
+    for r in results["forwards"]:
+        name = f"{r['attn_implementation']} / {r['packing']}"
+        if "measured_bytes" in r:
+            print(f"{name:<34} {r['linear_kernels']:>6} {r['seq']:>6} {r['measured_bytes'] / 2**20:>10.1f}Mi "
+                  f"{r['predicted_bytes'] / 2**20:>10.1f}Mi {r['ratio']:>7.4f}")
+        else:
+            print(f"{name:<34} {r['linear_kernels']:>6} {r['seq']:>6} {r.get('skipped') or r.get('error')}")
     print(f"wrote {args.out / 'gpu_check.json'}")
     return 0 if all(r["exit"] == 0 for r in results["variants"].values()) else 1
 

@@ -8,15 +8,17 @@ with the 27B dims from docs/memory-qwen3_5.md but only N layers (the peak is per
     python tools/memtrack_qwen27b.py                 # seq 65536, 4 layers, bf16, 3 variants
     python tools/memtrack_qwen27b.py --seq 8192 --layers 8 --variants plain
 
-Variants:
-  plain   use_cache=False, no mask: what a real (non-fake) unpacked run does.  Fake tensors
-          would otherwise make transformers build a dense mask (is_tracing() is true for
-          FakeTensor, so find_packed_sequence_indices never returns None), so the mask
-          mapping is passed in precomputed as {"full_attention": None, ...}, which is exactly
-          what create_causal_mask returns for real tensors without padding or packing.
-  packed  use_cache=False, transformers' own mask creation under fake tensors: the dense
-          [seq, seq] mask path, i.e. packed=True in the formula.
-  cache   use_cache=True (transformers' default when the caller does not pass it).
+Variants (each one of the forwards a graph can declare; see docs/memory-qwen3_5.md):
+  plain   sdpa, use_cache=False, no mask: what a real unpacked run (packing = "documents") does.
+          Fake tensors would otherwise make transformers build a dense mask (is_tracing() is true
+          for FakeTensor, so find_packed_sequence_indices never returns None), so the mask mapping
+          is passed in precomputed as {"full_attention": None, ...}, which is exactly what
+          create_causal_mask returns for real tensors without padding or packing.
+  packed  sdpa, use_cache=False, position_ids restarting at each of --docs packed documents
+          (packing = "mask"): transformers' own mask creation, the dense [seq, seq] mask.
+  eager   attn_implementation="eager", packed as above: eager_mask's additive [seq, seq] mask in
+          the model dtype and eager_attention_forward's [heads, seq, seq] scores.
+  cache   sdpa, use_cache=True (transformers' default when the caller does not pass it).
 
 Prints, per variant, MemTracker's activation peak (the input hidden state passed as
 inputs_embeds is not counted, as in the formula), the formula's workspace, their ratio,
@@ -54,10 +56,22 @@ GIB = 2**30
 DTYPES = {"bf16": (torch.bfloat16, 2), "fp16": (torch.float16, 2), "fp32": (torch.float32, 4)}
 
 
-def measure(cfg: dict, seq: int, dtype: torch.dtype, variant: str) -> dict[str, int]:
+#: variant -> (attn_implementation, packed position_ids, use_cache)
+VARIANTS = {"plain": ("sdpa", False, False), "packed": ("sdpa", True, False), "eager": ("eager", True, False),
+            "cache": ("sdpa", False, True)}
+
+
+def packed_positions(seq: int, docs: int) -> torch.Tensor:
+    """position_ids [1, seq] of `docs` equal documents (the last takes the remainder), restarting at 0."""
+    n = seq // docs
+    return torch.cat([torch.arange(n)] * (docs - 1) + [torch.arange(seq - n * (docs - 1))])[None]
+
+
+def measure(cfg: dict, seq: int, dtype: torch.dtype, variant: str, docs: int = 8) -> dict[str, int]:
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
 
-    config = Qwen3_5TextConfig(**cfg, attn_implementation="sdpa")
+    impl, packed, use_cache = VARIANTS[variant]
+    config = Qwen3_5TextConfig(**cfg, attn_implementation=impl)
     fake = FakeTensorMode()
     with fake:
         prev = torch.get_default_dtype()
@@ -67,8 +81,10 @@ def measure(cfg: dict, seq: int, dtype: torch.dtype, variant: str) -> dict[str, 
         finally:
             torch.set_default_dtype(prev)
         x = torch.empty(1, seq, config.hidden_size, dtype=dtype)
-    kwargs: dict = {"inputs_embeds": x, "use_cache": variant == "cache"}
-    if variant == "plain":
+    kwargs: dict = {"inputs_embeds": x, "use_cache": use_cache}
+    if packed:
+        kwargs["position_ids"] = fake.from_tensor(packed_positions(seq, docs))
+    elif variant == "plain":
         kwargs["attention_mask"] = {"full_attention": None, "linear_attention": None}
     mt = MemTracker()
     mt.track_external(model)
@@ -99,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=65536)
     ap.add_argument("--layers", type=int, default=4, help="decoder layers to build (4 = 3 linear + 1 full)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--variants", default="plain,packed,cache")
+    ap.add_argument("--variants", default="plain,packed,cache", help=f"comma-separated, of {sorted(VARIANTS)}")
+    ap.add_argument("--docs", type=int, default=8, help="packed documents per sequence (packed, eager)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -112,9 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"live input hidden state (not in either figure): {args.seq * dims.hidden_size * nbytes / GIB:.3f} GiB")
     results = []
     for variant in [v for v in args.variants.split(",") if v]:
-        flags = {"attention": "cpu_flash", "use_cache": variant == "cache", "packed": variant == "packed"}
+        impl, packed, use_cache = VARIANTS[variant]
+        flags = {"attention": "cpu_flash", "use_cache": use_cache, "packed": packed, "attn_implementation": impl}
         t0 = time.time()
-        meas = measure(cfg, args.seq, dtype, variant)
+        meas = measure(cfg, args.seq, dtype, variant, args.docs)
         wall = time.time() - t0
         pred = body_forward_workspace_breakdown(dims, args.seq, nbytes, **flags)
         pred["total"] = body_forward_workspace_bytes(dims, args.seq, nbytes, **flags)
@@ -125,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             m, p = meas[key], pred.get(key, 0)
             print(f"  {key:26s} {m / GIB:14.4f} {p / GIB:12.4f} {p / m if m else float('nan'):7.4f}")
         print(f"  formula with attention='flash' (CUDA): {cuda / GIB:.4f} GiB")
+        live_in = args.seq * dims.hidden_size * nbytes
+        print(f"  activation peak (live input + workspace): measured {(meas['total'] + live_in) / GIB:.4f} GiB, "
+              f"formula {(pred['total'] + live_in) / GIB:.4f} GiB, difference {meas['total'] - pred['total']} bytes")
         results.append({"variant": variant, "flags": flags, "measured": meas, "predicted": pred,
                         "predicted_flash": cuda, "seconds": wall})
     if args.json:

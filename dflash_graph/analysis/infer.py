@@ -107,6 +107,19 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             problems.append(Problem(f"invalid {m.arch} config for model '{name}': {e}", spec.loc("models", name, "config"),
                                     hint=f"see docs/toml-reference.md for arch '{m.arch}'"))
             continue
+        if hasattr(dims, "with_forward"):   # how transformers runs this model's forward (models.<name>.packing, ...)
+            try:
+                dims = dims.with_forward(*(m.forward.get(k) for k in ("attn_implementation", "packing", "linear_kernels")))
+            except ValueError as e:
+                key = "packing" if "packing" in m.forward else "attn_implementation"
+                problems.append(Problem(f"model '{name}': {e}", spec.loc("models", name, key),
+                                        hint="see docs/memory-qwen3_5.md, \"The declared forward\""))
+                continue
+        elif m.forward:
+            key = next(iter(m.forward))
+            problems.append(Problem(f"model '{name}' (arch '{m.arch}') does not take '{key}'",
+                                    spec.loc("models", name, key), hint="only a qwen3_5 target declares its forward"))
+            continue
         models[name] = ModelInfo(m, cfg, dims)
     if problems:
         raise GraphError(problems)

@@ -8,6 +8,7 @@ import time
 
 
 from ..analysis.memory import MemoryReport
+from ..models.qwen3_5 import forward_lines
 from ..rewrite.pipeline import Plan, compile_graph
 from ..units import fmt_bytes
 from .launch import launch_json, render_launch
@@ -149,6 +150,8 @@ def cmd_check(args) -> int:
     print(f"{spec.file}: graph '{spec.name}': {len(typed.graph)} nodes on {len(spec.devices)} devices"
           + ("" if plan.rewritten else " (as written, --no-rewrite)"))
     print(typed.ctx.env.bindings_text())
+    for line in forward_lines(typed.ctx.models):   # how each model's forward is assumed to run
+        print(line)
     print(render_nodes(typed))
     print()
     print(render_rewrites(plan))

@@ -73,7 +73,14 @@ class ModelStore:
                                              hint="a local directory or .safetensors file, relative to the graph file"))
             _quiet_kernel_fallbacks()
             torch.manual_seed(self.seed)
-            built = build_target(dict(m.config), weights, DTYPES[m.spec.dtype], tdev)
+            impl = getattr(m.dims, "attn_implementation", "sdpa")   # the forward the graph declares (check predicts it)
+            if impl == "flash_attention_2" and not str(tdev).startswith("cuda"):
+                raise GraphError(Problem(f"model '{model}' declares attn_implementation = \"flash_attention_2\", "
+                                         f"which needs a CUDA device; it would run on {tdev}",
+                                         self.typed.ctx.spec.loc("models", model, "attn_implementation"),
+                                         hint="declare \"sdpa\" or \"eager\" (packing = \"mask\") for a CPU run"))
+            built = build_target(dict(m.config), weights, DTYPES[m.spec.dtype], tdev, attn_implementation=impl)
+            built.dflash_packing = getattr(m.dims, "packing", "documents")
             built.requires_grad_(False)
             self._full[key] = built
         return self._full[key]

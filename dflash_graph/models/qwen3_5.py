@@ -41,6 +41,12 @@ import attrs
 
 __all__ = [
     "ATTENTION_MODES",
+    "ATTN_IMPLEMENTATIONS",
+    "LINEAR_KERNELS",
+    "PACKINGS",
+    "forward_assumption",
+    "forward_kwargs",
+    "installed_linear_kernels",
     "CONFIG_KEYS",
     "IGNORED_CONFIG_KEYS",
     "LAYER_TYPES",
@@ -78,6 +84,36 @@ DELTA_RULE_CHUNK = 64
 #:                 ``sdpa_kernel(SDPBackend.MATH)``, or the fallback when no fused kernel
 #:                 accepts the inputs, e.g. fake CUDA tensors): materialises [heads, seq, seq].
 ATTENTION_MODES = ("flash", "cpu_flash", "math")
+
+#: ``config._attn_implementation`` values a graph may declare (``models.<name>.attn_implementation``).
+#: transformers' default is "sdpa" whenever torch has ``scaled_dot_product_attention``
+#: (modeling_utils.py ``PreTrainedModel._check_and_adjust_attn_implementation``); flash_attention_2
+#: is used only when asked for, and needs the flash-attn package.
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+
+#: How a packed sequence (several documents, position_ids restarting at 0) reaches the model
+#: (``models.<name>.packing``):
+#:  - "documents":  one forward per document (what ``dflash-graph run`` does); the prediction is
+#:                  for the longest possible document, the whole sequence.
+#:  - "mask":       one forward over the packed row with its position_ids: transformers' sdpa and
+#:                  eager paths build a dense [seq, seq] mask (masking_utils.py
+#:                  ``find_packed_sequence_indices``, ``sdpa_mask``, ``eager_mask``).
+#:  - "cu_seqlens": one forward over the packed row; flash_attention_2 turns position_ids into
+#:                  cu_seqlens (modeling_flash_attention_utils.py ``_prepare_from_posids``): no mask.
+PACKINGS = ("documents", "mask", "cu_seqlens")
+
+#: Kernels of the Gated DeltaNet layers (``models.<name>.linear_kernels``): "torch" = transformers'
+#: reference code (``torch_chunk_gated_delta_rule``, ``causal_conv1d_fn`` in modeling_qwen3_5.py);
+#: "fla" = flash-linear-attention's ``chunk_gated_delta_rule`` and causal-conv1d's
+#: ``causal_conv1d_fn``, which transformers picks up whenever they import
+#: (integrations/hub_kernels.py ``use_kernel_func_from_hub_with_fallback``).
+LINEAR_KERNELS = ("torch", "fla")
+
+#: the versions whose Python wrappers the "fla" program (pinned: read from the wheel and the sdist)
+#: and the flash_attention_2 program (flash-attn 2's interface; its 2.8.3 sdist cannot be unpacked
+#: without CUDA here, so no line numbers) were read from.  Not yet measured on a GPU:
+#: tools/gpu_check.py measures them when one is lent.
+KERNEL_VERSIONS = {"fla-core": "0.6.0", "causal-conv1d": "1.7.0", "flash-attn": "2"}
 
 F32 = 4  # bytes of float32: every upcast (RMSNorm, delta rule, rotary) is to fp32
 
@@ -198,6 +234,23 @@ class Qwen35Dims:
     tie_word_embeddings: bool
     attention_bias: bool = False
     partial_rotary_factor: float = 0.25
+    # how transformers runs the forward (declared on the graph's model, not in config.json)
+    attn_implementation: str = "sdpa"
+    packing: str = "documents"
+    linear_kernels: str = "torch"
+
+    def with_forward(
+        self, attn_implementation: str | None, packing: str | None, linear_kernels: str | None
+    ) -> Qwen35Dims:
+        """These dims with the forward a graph declares; ``None`` keeps the default (sdpa, documents,
+        the linear-attention kernels that are installed: ``installed_linear_kernels()``)."""
+        attn = attn_implementation or "sdpa"
+        pack = packing or "documents"
+        lin = linear_kernels or installed_linear_kernels()
+        problem = forward_problem(attn, pack, lin)
+        if problem:
+            raise ValueError(problem)
+        return attrs.evolve(self, attn_implementation=attn, packing=pack, linear_kernels=lin)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], *, strict: bool = False) -> Qwen35Dims:
@@ -314,6 +367,120 @@ class Qwen35Dims:
 
     def count(self, layer_type: str) -> int:
         return sum(1 for t in self.layer_types if t == layer_type)
+
+
+# --------------------------------------------------------------------------------------
+# The declared forward: attention implementation, packing, linear-attention kernels
+# --------------------------------------------------------------------------------------
+
+
+def installed_linear_kernels() -> str:
+    """"fla" when flash-linear-attention and causal-conv1d are importable here (transformers then
+    uses them: hub_kernels.py ``use_kernel_func_from_hub_with_fallback`` imports the package and
+    falls back to the torch function only when that fails), else "torch".  Looks the packages up
+    without importing them (``check`` never imports torch)."""
+    import importlib.util
+
+    def have(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    return "fla" if have("fla") and have("causal_conv1d") else "torch"
+
+
+def forward_problem(attn_implementation: str, packing: str, linear_kernels: str) -> str | None:
+    """Why transformers cannot run this combination, or None."""
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        return f"attn_implementation must be one of {list(ATTN_IMPLEMENTATIONS)}, got {attn_implementation!r}"
+    if packing not in PACKINGS:
+        return f"packing must be one of {list(PACKINGS)}, got {packing!r}"
+    if linear_kernels not in LINEAR_KERNELS:
+        return f"linear_kernels must be one of {list(LINEAR_KERNELS)}, got {linear_kernels!r}"
+    if packing == "cu_seqlens" and attn_implementation != "flash_attention_2":
+        return (f"packing 'cu_seqlens' is transformers' flash path; with attn_implementation "
+                f"{attn_implementation!r} a packed row gets a dense mask: use packing = \"mask\" "
+                f"(or attn_implementation = \"flash_attention_2\")")
+    if packing == "mask" and attn_implementation == "flash_attention_2":
+        return ("flash_attention_2 never builds a mask: transformers turns packed position_ids into "
+                "cu_seqlens (modeling_flash_attention_utils.py _prepare_from_posids): use packing = "
+                "\"cu_seqlens\"")
+    return None
+
+
+def forward_kwargs(d: Qwen35Dims) -> dict[str, Any]:
+    """The replay arguments for the forward ``d`` declares, on a CUDA device: sdpa without a mask
+    reaches the flash kernel, with a mask the memory-efficient kernel (see ATTENTION_MODES)."""
+    return {
+        "attention": "flash",
+        "packed": d.packing != "documents",
+        "attn_implementation": d.attn_implementation,
+        "linear_kernels": d.linear_kernels,
+    }
+
+
+def forward_assumption(d: Qwen35Dims, declared: Mapping[str, Any] | None = None) -> str:
+    """One line saying how the prediction assumes transformers runs this model's forward, which of
+    it the graph declared, and which parts are derived but not yet measured."""
+    declared = declared or {}
+
+    def src(key: str, default_note: str) -> str:
+        return "declared" if declared.get(key) is not None else default_note
+
+    pack = {
+        "documents": "documents one by one",
+        "mask": "packed with a [seq, seq] mask",
+        "cu_seqlens": "packed with cu_seqlens",
+    }[d.packing]
+    lin = ("flash-linear-attention + causal-conv1d" if d.linear_kernels == "fla"
+           else "torch reference kernels")
+    lin_src = src("linear_kernels", "installed here" if d.linear_kernels == "fla"
+                  else "default: flash-linear-attention/causal-conv1d not installed here")
+    unmeasured = []
+    if d.linear_kernels == "fla":
+        unmeasured.append(f"fla-core {KERNEL_VERSIONS['fla-core']} / causal-conv1d "
+                          f"{KERNEL_VERSIONS['causal-conv1d']} wrappers")
+    if d.attn_implementation == "flash_attention_2":
+        unmeasured.append(f"flash-attn {KERNEL_VERSIONS['flash-attn']} wrapper")
+    tail = (f"; derived from the {' and '.join(unmeasured)}, not yet measured" if unmeasured else "")
+    return (f"attention {d.attn_implementation} ({src('attn_implementation', 'default: transformers')}), "
+            f"{pack} ({src('packing', 'default: as dflash-graph run does')}), "
+            f"linear attention: {lin} ({lin_src}){tail}")
+
+
+def forward_lines(models: Mapping[str, Any]) -> list[str]:
+    """check's lines on how each qwen3_5 model's forward is assumed to run (``models`` maps a name to
+    an object with ``.spec`` (arch, forward: the declared keys) and ``.dims``)."""
+    return [f"model {name}: {forward_assumption(m.dims, m.spec.forward)}"
+            for name, m in models.items() if isinstance(getattr(m, "dims", None), Qwen35Dims)]
+
+
+_DTYPE_NAMES = {1: "int8", 2: "bfloat16", 4: "float32", 8: "float64"}
+
+
+def tensor_label(d: Qwen35Dims, seq: int, dtype_bytes: int, name: str) -> str:
+    """What a replayed tensor is, for an OOM message: the [heads, seq, seq] ones by shape and the
+    transformers line that makes them; other names as they are."""
+    nh, s = d.num_attention_heads, f"{seq:,}"
+    dt = _DTYPE_NAMES.get(dtype_bytes, f"{dtype_bytes}-byte")
+    where = {
+        "eager.qk": (dt, "eager_attention_forward: torch.matmul(query, key_states.transpose(2, 3))"),
+        "eager.scaled": (dt, "eager_attention_forward: scores * scaling"),
+        "eager.masked": (dt, "eager_attention_forward: scores + attention_mask"),
+        "eager.in32": ("float32", "eager_attention_forward: softmax(dtype=float32) input"),
+        "eager.soft": ("float32", "eager_attention_forward: softmax(dtype=float32)"),
+        "eager.weights": (dt, "eager_attention_forward: attn_weights"),
+        "math.attn0": ("float32", "sdpa math kernel: q @ k^T"),
+        "math.attn1": ("float32", "sdpa math kernel: + mask"),
+        "math.attn": ("float32", "sdpa math kernel: softmax"),
+    }
+    if name in where:
+        t, src = where[name]
+        return f"[{nh}, {s}, {s}] {t} ({src})"
+    if name in ("causal_mask", "mask.causal", "mask.same_doc", "mask.and1", "sdpa.float_mask"):
+        return f"{name} [{s}, {s}]"
+    return name
 
 
 # --------------------------------------------------------------------------------------
@@ -620,34 +787,9 @@ def _delta_rule(lv: _Live, d: Qwen35Dims, s: int, b: int, use_cache: bool) -> st
     return "gdn.core_out"
 
 
-def _gated_deltanet(lv: _Live, d: Qwen35Dims, s: int, b: int, use_cache: bool, out: str) -> None:
-    """Qwen3_5GatedDeltaNet.forward (mq L545-L656), no padding mask, prefill."""
+def _gated_norm(lv: _Live, rows: int, n: int, b: int) -> None:
+    """Qwen3_5RMSNormGated(core, z) (mq L210-L219) on [seq * v_heads, v_dim]: leaves ``gn.out``."""
     up = b != F32
-    h, nv = d.hidden_size, d.linear_num_value_heads
-    cd, vd, k = d.conv_dim, d.linear_value_dim, d.linear_conv_kernel_dim
-    lv.alloc("gdn.qkv", b * s * cd)  # in_proj_qkv (mq L563)
-    lv.alloc("gdn.z", b * s * vd)  # in_proj_z (mq L566)
-    lv.alloc("gdn.b", b * s * nv)  # in_proj_b (mq L569)
-    lv.alloc("gdn.a", b * s * nv)  # in_proj_a (mq L570)
-    if use_cache:
-        lv.alloc("cache.conv_state", b * cd * k)  # lazy zeros [1, conv_dim, K] (cache_utils)
-    # causal_conv1d_fn (mq L262-L274): conv1d with padding K-1, then silu
-    lv.alloc("gdn.conv", b * cd * (s + k - 1))
-    lv.alloc("gdn.qkv_act", b * s * cd)
-    lv.free("gdn.conv", "gdn.qkv")  # mixed_qkv rebound (mq L587)
-    lv.alloc("gdn.beta", b * s * nv)  # b.sigmoid() (mq L614)
-    # g = -A_log.float().exp() * softplus(a.float() + dt_bias) (mq L616), fp32
-    if up:
-        lv.alloc("gdn.af", F32 * s * nv)
-    lv.alloc("gdn.a_dt", F32 * s * nv)
-    lv.drop("gdn.af")
-    lv.alloc("gdn.softplus", F32 * s * nv)
-    lv.free("gdn.a_dt")
-    lv.alloc("gdn.g", F32 * s * nv)
-    lv.free("gdn.softplus")
-    core = _delta_rule(lv, d, s, b, use_cache)  # mq L632
-    # Qwen3_5RMSNormGated(core, z) (mq L210-L219) on [seq * v_heads, v_dim]
-    rows, n = s * nv, s * vd
     if up:
         lv.alloc("gn.hf", F32 * n)  # .to(float32)
     lv.alloc("gn.pow", F32 * n)
@@ -677,7 +819,37 @@ def _gated_deltanet(lv: _Live, d: Qwen35Dims, s: int, b: int, use_cache: bool, o
         lv.free("gn.hg")
     else:
         lv.rename("gn.hg", "gn.out")
-    lv.free("gn.var", core)  # core_attn_out rebound (mq L652)
+    lv.free("gn.var")
+
+
+def _gated_deltanet(lv: _Live, d: Qwen35Dims, s: int, b: int, use_cache: bool, out: str) -> None:
+    """Qwen3_5GatedDeltaNet.forward (mq L545-L656), no padding mask, prefill, torch reference kernels."""
+    up = b != F32
+    h, nv = d.hidden_size, d.linear_num_value_heads
+    cd, vd, k = d.conv_dim, d.linear_value_dim, d.linear_conv_kernel_dim
+    lv.alloc("gdn.qkv", b * s * cd)  # in_proj_qkv (mq L563)
+    lv.alloc("gdn.z", b * s * vd)  # in_proj_z (mq L566)
+    lv.alloc("gdn.b", b * s * nv)  # in_proj_b (mq L569)
+    lv.alloc("gdn.a", b * s * nv)  # in_proj_a (mq L570)
+    if use_cache:
+        lv.alloc("cache.conv_state", b * cd * k)  # lazy zeros [1, conv_dim, K] (cache_utils)
+    # causal_conv1d_fn (mq L262-L274): conv1d with padding K-1, then silu
+    lv.alloc("gdn.conv", b * cd * (s + k - 1))
+    lv.alloc("gdn.qkv_act", b * s * cd)
+    lv.free("gdn.conv", "gdn.qkv")  # mixed_qkv rebound (mq L587)
+    lv.alloc("gdn.beta", b * s * nv)  # b.sigmoid() (mq L614)
+    # g = -A_log.float().exp() * softplus(a.float() + dt_bias) (mq L616), fp32
+    if up:
+        lv.alloc("gdn.af", F32 * s * nv)
+    lv.alloc("gdn.a_dt", F32 * s * nv)
+    lv.drop("gdn.af")
+    lv.alloc("gdn.softplus", F32 * s * nv)
+    lv.free("gdn.a_dt")
+    lv.alloc("gdn.g", F32 * s * nv)
+    lv.free("gdn.softplus")
+    core = _delta_rule(lv, d, s, b, use_cache)  # mq L632
+    _gated_norm(lv, s * nv, s * vd, b)  # Qwen3_5RMSNormGated(core, z)
+    lv.free(core)  # core_attn_out rebound (mq L652)
     lv.alloc(out, b * s * h)  # out_proj (mq L655)
     # return: locals die
     lv.free("gn.out", "gdn.qkv_act", "gdn.z", "gdn.b", "gdn.a", "gdn.beta", "gdn.g")
@@ -762,6 +934,152 @@ def _sdpa(
         lv.rename(out + "'", out)
 
 
+def _eager(lv: _Live, d: Qwen35Dims, s: int, b: int, out: str) -> None:
+    """eager_attention_forward (modeling_qwen3_5.py, transformers 5.24.0 L717-L742) with repeat_kv
+    (L705-L714), on the dense mask ``causal_mask`` [1, 1, s, s] that eager_mask built (dtype b).
+
+    Materialises [heads, seq, seq] scores several times over, and returns the softmaxed weights as
+    ``attn_weights``: Qwen3_5DecoderLayer.forward keeps them in ``_`` (5.24.0 L892) until it
+    returns, through the MLP.
+    """
+    nh, nkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    rep = nh != nkv
+    hss = nh * s * s
+    if rep and nkv > 1:
+        # expand + reshape of [b, kv, n_rep, s, d] copies (with one KV head it stays a view)
+        lv.alloc("eager.k_rep", b * nh * s * hd)
+        lv.alloc("eager.v_rep", b * nh * s * hd)
+    lv.alloc("eager.qk", b * hss)  # torch.matmul(query, key_states.transpose(2, 3)) (L730)
+    lv.alloc("eager.scaled", b * hss)  # * scaling
+    lv.free("eager.qk")
+    lv.alloc("eager.masked", b * hss)  # + attention_mask (L732)
+    lv.free("eager.scaled")
+    # softmax(dim=-1, dtype=float32) (L734): aten converts the input first when it is not fp32
+    if b != F32:
+        lv.alloc("eager.in32", F32 * hss)
+    lv.alloc("eager.soft", F32 * hss)
+    lv.drop("eager.in32")
+    lv.free("eager.masked")
+    if b != F32:
+        lv.alloc("eager.weights", b * hss)  # .to(query.dtype)
+        lv.free("eager.soft")
+    else:
+        lv.rename("eager.soft", "eager.weights")
+    # dropout(p=0.0, training=False) returns its input (L735)
+    lv.alloc(out, b * nh * s * hd)  # torch.matmul(attn_weights, value_states) (L736)
+    lv.alloc(out + "'", b * s * nh * hd)  # .transpose(1, 2).contiguous() (L737)
+    lv.free(out)
+    lv.rename(out + "'", out)
+    lv.drop("eager.k_rep", "eager.v_rep")
+
+
+def _flash2(lv: _Live, d: Qwen35Dims, s: int, b: int, packed: bool, out: str) -> None:
+    """flash_attention_forward (integrations/flash_attention.py, transformers 5.24.0 L26-L104) ->
+    _flash_attention_forward (modeling_flash_attention_utils.py L745-L867) -> flash-attn's
+    flash_attn_func / flash_attn_varlen_func.  Derived from the wrappers, NOT measured: flash-attn
+    needs CUDA (tools/gpu_check.py measures it when a GPU is lent).
+
+    Packed (position_ids restart): _is_packed_sequence (L564-L580) in every layer, then
+    _prepare_from_posids (L526-L561): query and key, transposed views of contiguous
+    [b, heads, s, d] tensors, are copied by ``.contiguous()``; value (a view of v_proj's output)
+    already is contiguous.  cu_seqlens are a few int32 per document.  The kernel returns out
+    [s, heads, d] and the fp32 softmax_lse [heads, s] (flash-attn 2 flash_attn_interface.py
+    _flash_attn_varlen_forward / _flash_attn_forward: maybe_contiguous copies only a tensor whose
+    last stride is not 1, then varlen_fwd / fwd return out, softmax_lse, S_dmask, rng_state), which
+    the Python wrapper drops (no grad).
+    """
+    nh, nkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    # _is_packed_sequence: arange + min, - position_ids, abs, sum, bool (every layer, both cases)
+    lv.alloc("fa.arange", 8 * s)
+    lv.alloc("fa.min", 8)
+    lv.alloc("fa.inc", 8 * s)
+    lv.free("fa.arange", "fa.min")
+    lv.alloc("fa.sub", 8 * s)
+    lv.free("fa.inc")
+    lv.alloc("fa.abs", 8 * s)
+    lv.free("fa.sub")
+    lv.alloc("fa.sum", 8)
+    lv.free("fa.abs")
+    lv.alloc("fa.bool", 1)
+    lv.free("fa.sum", "fa.bool")
+    if packed:
+        lv.alloc("fa.q", b * s * nh * hd)  # query.contiguous() (L555)
+        lv.alloc("fa.k", b * s * nkv * hd)  # key.contiguous() (L556)
+    lv.alloc(out, b * s * nh * hd)  # out [(b,) s, heads, d]: already the layout reshape wants
+    lv.alloc("fa.lse", F32 * nh * s)  # softmax_lse
+    lv.free("fa.lse")
+    lv.drop("fa.q", "fa.k")
+
+
+def _gated_deltanet_fla(lv: _Live, d: Qwen35Dims, s: int, b: int, use_cache: bool, out: str) -> None:
+    """Qwen3_5GatedDeltaNet.forward (mq 5.24.0 L547-L656) with causal-conv1d's causal_conv1d_fn and
+    flash-linear-attention's chunk_gated_delta_rule in place of the torch reference functions.
+
+    Derived from the Python wrappers of the pinned versions, NOT measured (CUDA/Triton only;
+    tools/gpu_check.py measures them when a GPU is lent):
+      causal-conv1d 1.7.0  causal_conv1d/causal_conv1d_interface.py CausalConv1dFn.forward L11-L60:
+          x (mixed_qkv.transpose(1, 2), channel-last: stride(1) == 1) is not copied (L23-L24);
+          causal_conv1d_fwd_function allocates one output like x (cpp_functions.py L103),
+          silu fused.
+      fla-core 0.6.0  fla/ops/gated_delta_rule/chunk.py ChunkGatedDeltaRuleFunction.forward
+          (L253-L335), under @input_guard (fla/utils/decorators.py L97-L133: every tensor
+          argument made contiguous -- q, k, v are strided views of the conv output: copies);
+          l2norm_fwd (fla/modules/norm/l2norm.py L112-L128): y like x, fp32 rstd per row;
+          chunk_local_cumsum (fla/ops/utils/cumsum.py L276-L278): fp32 g like g;
+          chunk_gated_delta_rule_fwd_intra (chunk_fwd.py L385): A [s, v_heads, 64] in k's dtype;
+          recompute_w_u_fwd (wy_fast.py L273-L274): w [s, v_heads, k_dim], u like v;
+          chunk_gated_delta_rule_fwd_h (fla/ops/common/chunk_delta_h.py L722-L725):
+          h [chunks, v_heads, k_dim, v_dim] in k's dtype, v_new like u;
+          chunk_fwd_o (fla/ops/common/chunk_o.py L565): o like v.  Key heads are not repeated to
+          the value heads (the kernels index k by i_h // (HV // H), chunk_fwd.py L88).
+    """
+    h, nv, nk = d.hidden_size, d.linear_num_value_heads, d.linear_num_key_heads
+    dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
+    cd, vd = d.conv_dim, d.linear_value_dim
+    c = DELTA_RULE_CHUNK
+    n_chunks = -(-s // c)
+    lv.alloc("gdn.qkv", b * s * cd)  # in_proj_qkv (mq L563)
+    lv.alloc("gdn.z", b * s * vd)  # in_proj_z
+    lv.alloc("gdn.b", b * s * nv)  # in_proj_b
+    lv.alloc("gdn.a", b * s * nv)  # in_proj_a
+    if use_cache:
+        lv.alloc("cache.conv_state", b * cd * d.linear_conv_kernel_dim)
+    lv.alloc("gdn.qkv_act", b * s * cd)  # causal_conv1d_fn: conv + silu in one kernel
+    lv.free("gdn.qkv")
+    lv.alloc("gdn.beta", b * s * nv)  # b.sigmoid()
+    if b != F32:
+        lv.alloc("gdn.af", F32 * s * nv)
+    lv.alloc("gdn.a_dt", F32 * s * nv)
+    lv.drop("gdn.af")
+    lv.alloc("gdn.softplus", F32 * s * nv)
+    lv.free("gdn.a_dt")
+    lv.alloc("gdn.g", F32 * s * nv)
+    lv.free("gdn.softplus")
+    # chunk_gated_delta_rule
+    lv.alloc("fla.q", b * s * nk * dk)  # input_guard: q.contiguous()
+    lv.alloc("fla.k", b * s * nk * dk)
+    lv.alloc("fla.v", b * s * vd)
+    lv.alloc("fla.qn", b * s * nk * dk)  # l2norm_fwd(q)
+    lv.alloc("fla.q_rstd", F32 * s * nk)
+    lv.alloc("fla.kn", b * s * nk * dk)  # l2norm_fwd(k)
+    lv.alloc("fla.k_rstd", F32 * s * nk)
+    lv.alloc("fla.gcum", F32 * s * nv)  # chunk_local_cumsum
+    lv.alloc("fla.A", b * s * nv * c)
+    lv.alloc("fla.w", b * s * nv * dk)
+    lv.alloc("fla.u", b * s * vd)
+    lv.alloc("fla.h", b * n_chunks * nv * dk * dv)
+    lv.alloc("fla.v_new", b * s * vd)
+    if use_cache:
+        lv.alloc("cache.recurrent_state", F32 * nv * dk * dv)  # final_state (chunk_delta_h.py L723)
+    lv.alloc("gdn.core_out", b * s * vd)  # o (chunk_o.py L565); o.to(q.dtype) is a no-op
+    lv.free(*[k for k in list(lv.sizes) if k.startswith("fla.")])
+    # Qwen3_5RMSNormGated on [seq * v_heads, v_dim] (mq L210-L219): unchanged
+    _gated_norm(lv, s * nv, vd * s, b)
+    lv.free("gdn.core_out")  # core_attn_out rebound (mq L652)
+    lv.alloc(out, b * s * h)  # out_proj (mq L655)
+    lv.free("gn.out", "gdn.qkv_act", "gdn.z", "gdn.b", "gdn.a", "gdn.beta", "gdn.g")
+
+
 def _full_attention(
     lv: _Live,
     d: Qwen35Dims,
@@ -772,8 +1090,10 @@ def _full_attention(
     use_cache: bool,
     layer: int,
     out: str,
+    impl: str = "sdpa",
 ) -> None:
-    """Qwen3_5Attention.forward (mq L769-L814)."""
+    """Qwen3_5Attention.forward (mq L769-L814); ``impl`` is config._attn_implementation, the
+    attention interface it calls (mq 5.24.0 L798: ALL_ATTENTION_FUNCTIONS.get_interface)."""
     nh, nkv, hd, r = d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.rotary_dim
     qo, kv = nh * hd, nkv * hd
     lv.alloc("att.q_proj", b * s * 2 * qo)  # q_proj: query and gate (mq L781)
@@ -800,7 +1120,12 @@ def _full_attention(
         k_name, v_name = None, None
     else:
         k_name, v_name = "att.k_emb", "att.v"
-    _sdpa(lv, d, s, b, attention, masked, "att.o")  # mq L799
+    if impl == "eager":
+        _eager(lv, d, s, b, "att.o")  # mq L799
+    elif impl == "flash_attention_2":
+        _flash2(lv, d, s, b, masked, "att.o")
+    else:
+        _sdpa(lv, d, s, b, attention, masked, "att.o")  # mq L799
     lv.alloc("att.sig", b * s * qo)  # torch.sigmoid(gate) (mq L811)
     lv.alloc("att.gated", b * s * qo)  # attn_output * sigmoid(gate)
     lv.free("att.sig", "att.o")
@@ -829,8 +1154,15 @@ def _replay(
     use_cache: bool,
     packed: bool,
     record: bool = False,
+    attn_implementation: str = "sdpa",
+    linear_kernels: str = "torch",
 ) -> _Live:
     _check_args(d, seq, dtype_bytes, attention)
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
+    if linear_kernels not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernels must be one of {LINEAR_KERNELS}, got {linear_kernels!r}")
+    impl = attn_implementation
     s, b, h = seq, dtype_bytes, d.hidden_size
     lv = _Live(record)
 
@@ -850,7 +1182,7 @@ def _replay(
         lv.alloc("pk.ne", s)  # != 1
         lv.alloc("pk.seq", 8 * s)  # .cumsum(-1) int64
         lv.free("pk.ne", "pk.diff", "pk.first")
-        if packed:
+        if packed and impl != "flash_attention_2":
             # position_ids restart inside the sequence (or tensors are fake, where
             # is_tracing() keeps the packed path): sdpa_mask builds the mask with
             # and_masks(packed_sequence_mask_function, remapped causal) over a
@@ -863,10 +1195,25 @@ def _replay(
             lv.alloc("causal_mask", s * s)  # result & causal; lives for the whole forward
             lv.free("mask.causal", "mask.and1")
             masked = True
+        elif impl == "eager":
+            # eager_mask (masking_utils L552-L618) calls sdpa_mask with allow_is_causal_skip=False:
+            # the causal [1, 1, seq, seq] bool mask (causal_mask_function L74-L78) is always built
+            lv.alloc("causal_mask", s * s)
+            masked = True
+        if impl == "eager":
+            # torch.where(mask, torch.zeros((), dtype), min_dtype) (masking_utils L617): the
+            # additive mask in the model dtype, [1, 1, seq, seq], for the whole forward
+            lv.alloc("mask.zero", b)
+            lv.alloc("causal_mask_f", b * s * s)
+            lv.free("mask.zero", "causal_mask")
+            lv.rename("causal_mask_f", "causal_mask")
+        masked = masked or (packed and impl == "flash_attention_2")  # flash: varlen, no mask
         lv.free("pk.seq")
     elif packed:
         raise ValueError("packed=True needs use_cache=False (transformers only detects "
                          "packed position_ids without a cache)")
+    elif impl != "sdpa":
+        raise ValueError(f"use_cache=True is modelled for sdpa only, not {impl!r}")
     # Qwen3_5TextRotaryEmbedding.forward (mq L177-L187), r/2 frequencies, 3 mrope rows
     half = d.rotary_dim // 2
     lv.alloc("rope.pos", F32 * 3 * s)  # position_ids[..., None].float()
@@ -906,9 +1253,10 @@ def _replay(
         _rmsnorm(lv, "ln1", s, h, b, "xn")  # input_layernorm (mq L878)
         lv.phase = t
         if t == "linear_attention":
-            _gated_deltanet(lv, d, s, b, use_cache, "mixer_out")  # mq L882
+            gdn = _gated_deltanet_fla if linear_kernels == "fla" else _gated_deltanet
+            gdn(lv, d, s, b, use_cache, "mixer_out")  # mq L882
         else:
-            _full_attention(lv, d, s, b, attention, masked, use_cache, i, "mixer_out")
+            _full_attention(lv, d, s, b, attention, masked, use_cache, i, "mixer_out", impl)
         lv.free("xn")  # hidden_states rebound to the mixer output
         if use_cache and t == "linear_attention":
             lv.rename("cache.conv_state", f"cache.conv{i}")
@@ -924,6 +1272,7 @@ def _replay(
         lv.free("xn2")
         lv.alloc("h_out", b * s * h)  # mq L905
         lv.free("mlp_out", "h_mid")
+        lv.drop("eager.weights")  # `hidden_states, _ = self.self_attn(...)`: `_` dies on return
         if hin:
             lv.free(hin)
         lv.free("h_out")  # becomes the next layer's h_in
@@ -945,6 +1294,8 @@ def body_forward_workspace_bytes(
     attention: str = "flash",
     use_cache: bool = False,
     packed: bool = False,
+    attn_implementation: str = "sdpa",
+    linear_kernels: str = "torch",
 ) -> int:
     """Peak transient bytes of ``model.model(...)`` under ``torch.no_grad()``, batch 1.
 
@@ -963,7 +1314,8 @@ def body_forward_workspace_bytes(
         position_ids (or none) and no padding mask, ``create_causal_mask`` returns None and
         sdpa runs with ``is_causal=True``: no mask bytes at all.
     """
-    return _replay(d, seq, dtype_bytes, attention, use_cache, packed).peak
+    return _replay(d, seq, dtype_bytes, attention, use_cache, packed,
+                   attn_implementation=attn_implementation, linear_kernels=linear_kernels).peak
 
 
 def body_forward_workspace_breakdown(
@@ -974,13 +1326,16 @@ def body_forward_workspace_breakdown(
     attention: str = "flash",
     use_cache: bool = False,
     packed: bool = False,
+    attn_implementation: str = "sdpa",
+    linear_kernels: str = "torch",
 ) -> dict[str, int]:
     """Peak live bytes (same basis as the workspace) reached inside each phase, keyed like
     the modules MemTracker reports: "prologue" (positions, mask, rotary),
     "input_layernorm", "linear_attention" (Qwen3_5GatedDeltaNet), "full_attention"
     (Qwen3_5Attention), "residual" (the two adds), "post_attention_layernorm", "mlp",
     "final_norm"; each the maximum over the layers of that kind."""
-    return dict(_replay(d, seq, dtype_bytes, attention, use_cache, packed).phase_peak)
+    return dict(_replay(d, seq, dtype_bytes, attention, use_cache, packed,
+                        attn_implementation=attn_implementation, linear_kernels=linear_kernels).phase_peak)
 
 
 def body_forward_output_bytes(d: Qwen35Dims, seq: int, dtype_bytes: int) -> int:
@@ -996,10 +1351,13 @@ def body_forward_peak_bytes(
     attention: str = "flash",
     use_cache: bool = False,
     packed: bool = False,
+    attn_implementation: str = "sdpa",
+    linear_kernels: str = "torch",
 ) -> int:
     """Live input hidden state + workspace: the activation peak of the body forward."""
     return seq * d.hidden_size * dtype_bytes + body_forward_workspace_bytes(
-        d, seq, dtype_bytes, attention=attention, use_cache=use_cache, packed=packed
+        d, seq, dtype_bytes, attention=attention, use_cache=use_cache, packed=packed,
+        attn_implementation=attn_implementation, linear_kernels=linear_kernels,
     )
 
 
@@ -1011,6 +1369,8 @@ def max_seq_within(
     attention: str = "flash",
     use_cache: bool = False,
     packed: bool = False,
+    attn_implementation: str = "sdpa",
+    linear_kernels: str = "torch",
     limit: int = 1 << 26,
 ) -> int:
     """Largest seq whose body_forward_peak_bytes (input + workspace) fits in budget_bytes.
@@ -1020,7 +1380,8 @@ def max_seq_within(
     """
     def fits(n: int) -> bool:
         peak = body_forward_peak_bytes(
-            d, n, dtype_bytes, attention=attention, use_cache=use_cache, packed=packed
+            d, n, dtype_bytes, attention=attention, use_cache=use_cache, packed=packed,
+            attn_implementation=attn_implementation, linear_kernels=linear_kernels,
         )
         return peak <= budget_bytes
 

@@ -104,7 +104,7 @@ def _qwen_body(c: CostContext) -> tuple[int, int]:
 
     seq = c.inputs["input_ids"].sizes[0]
     d = c.model_dims
-    ws = qwen3_5.body_forward_workspace_bytes(d, seq, c.dtype_bytes)
+    ws = qwen3_5.body_forward_workspace_bytes(d, seq, c.dtype_bytes, **qwen3_5.forward_kwargs(d))   # the declared forward
     # Qwen3_5TextModel.forward applies the final norm to the last hidden state before returning it, even though
     # body_forward hands back the pre-norm output: that normed copy and the norm's fp32 temporaries are transient.
     final_norm = seq * d.hidden_size * (c.dtype_bytes + 2 * 4)
@@ -117,7 +117,7 @@ def _layer_chunks(d, seq: int, b: int) -> tuple[list, dict, list]:
     MemTracker): the prologue, one chunk per replayed layer kind, and the final norm."""
     from ..models import qwen3_5
 
-    lv = qwen3_5._replay(d, seq, b, "flash", False, False, record=True)
+    lv = qwen3_5._replay(d, seq, b, use_cache=False, record=True, **qwen3_5.forward_kwargs(d))
     prologue, chunks, cur = [], [], []
     in_layers = False
     for phase, ev, size, _ in lv.events:
@@ -151,6 +151,8 @@ def _body_program(c: CostContext, ws: int, logits: bool) -> tuple[tuple[str, str
 @functools.lru_cache(maxsize=256)
 def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hidden: bool,
                 logits_bytes: int) -> tuple[tuple[str, str, int], ...]:
+    from ..models import qwen3_5
+
     h = seq * d.hidden_size * dtype_bytes
     prologue, chunks, final = _layer_chunks(d, seq, dtype_bytes)
     last = d.num_hidden_layers - 1
@@ -166,7 +168,11 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
             if ev == "+h_out":
                 steps.append(("alloc", out_key, h))
             elif kind == "+":
-                alive[name] = f"{prefix}{name}#{len(steps)}"   # unique: a renamed tensor keeps its own key
+                # unique: a renamed tensor keeps its own key; [heads, seq, seq] tensors named by shape for an OOM
+                label = qwen3_5.tensor_label(d, seq, dtype_bytes, name)
+                where = f"layer {prefix[1:-1]} " if prefix[1:-1].isdigit() else prefix
+                alive[name] = (f"{prefix}{name}#{len(steps)}" if label == name
+                               else f"{where}{label} #{len(steps)}")
                 steps.append(("alloc", alive[name], size))
             elif kind == "-":
                 steps.append(("free", alive.pop(name), 0))

@@ -26,7 +26,8 @@ def _forward(c, input_ids: Tensor, position_ids: Tensor, logits: bool) -> dict[s
 
     model = c.module("body")
     capture = list(c.params.get("_taps", ()))   # the layers hook_capture nodes ask for (exec/interpreter.py)
-    last, captured = run_body(model, input_ids, position_ids, capture)
+    last, captured = run_body(model, input_ids, position_ids, capture,
+                              packing=getattr(model, "dflash_packing", "documents"))   # the model's declared packing
     out = {"hidden": last, "taps": captured}
     if logits:
         out["logits"] = lm_head(model)(final_norm(model)(last))

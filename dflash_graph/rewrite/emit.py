@@ -175,6 +175,8 @@ def emit_toml(plan: Plan, out_path: str | os.PathLike | None = None) -> str:
             w.append(f"weights = {toml_str(_rebase(m.weights, graph_dir, out_dir))}")
         if m.shares:
             w.append(f"shares = {toml_value(dict(m.shares))}")
+        for key, value in m.forward.items():   # the declared forward (attn_implementation, packing, linear_kernels)
+            w.append(f"{key} = {toml_str(value)}")
         if m.config_file and _config_from_file(m.config_file, m.config):
             w.append(f"config = {toml_str(_rebase(m.config_file, None, out_dir))}")
         else:

@@ -43,6 +43,7 @@ class ModelSpec:
     weights: str | None
     shares: Mapping[str, str]          # component -> "model.component"
     config_file: str | None = None     # where config came from, if a file
+    forward: Mapping[str, Any] = attrs.field(factory=dict)   # attn_implementation/packing/linear_kernels declared
 
 
 @attrs.frozen

@@ -257,8 +257,9 @@ class _Builder:
             for comp, target in shares.items():
                 if not isinstance(target, str) or target.count(".") != 1:
                     self.err(("models", name, "shares", comp), f"share '{comp}' must be \"model.component\", got {target!r}")
+            fwd = {k: v.get(k) for k in ("attn_implementation", "packing", "linear_kernels") if v.get(k) is not None}
             out[name] = ModelSpec(name, v["arch"], frozen_map(v["config"]), dtype, bool(v["trainable"]), v["weights"],
-                                  frozen_map(shares), cfg_file)
+                                  frozen_map(shares), cfg_file, frozen_map(fwd))
         for name, m in out.items():
             for comp, target in m.shares.items():
                 other = target.split(".")[0]

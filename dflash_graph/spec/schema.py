@@ -83,6 +83,15 @@ MODEL = Section("models.<name>", "A model whose weights nodes use.", (
         "Absent: random initialisation."),
     Key("shares", "table", "Components taken from another model: `{ embed = \"target.embed\", norm = "
         "\"target.norm\", lm_head = \"target.lm_head\" }`. Shared tensors are frozen and counted once per device."),
+    Key("attn_implementation", "str", "qwen3_5: transformers' attention implementation for this model's forward "
+        "(absent: sdpa, transformers' default).", choices=("sdpa", "flash_attention_2", "eager")),
+    Key("packing", "str", "qwen3_5: how a packed sequence reaches the forward: `documents` (one forward per "
+        "document, what `run` does; absent = this), `mask` (one forward over the packed row: sdpa and eager build a "
+        "dense [seq, seq] mask), `cu_seqlens` (one forward, flash_attention_2's varlen path).",
+        choices=("documents", "mask", "cu_seqlens")),
+    Key("linear_kernels", "str", "qwen3_5: the Gated DeltaNet kernels: `torch` (transformers' reference code) or "
+        "`fla` (flash-linear-attention + causal-conv1d). Absent: what is installed where `check` runs.",
+        choices=("torch", "fla")),
 ))
 
 NODE = Section("nodes[]", "One node of the graph (an array of tables: `[[nodes]]`).", (

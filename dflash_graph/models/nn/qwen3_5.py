@@ -21,8 +21,13 @@ layer id ``L - 1`` here is the raw output of the last decoder layer (pre-norm).
 Packed sequences: documents start where ``position_ids == 0``. transformers isolates
 packed documents in its full-attention layers (a block-diagonal mask derived from
 position ids), but the Gated DeltaNet layers (torch fallback, and the causal conv1d
-before it) ignore document boundaries and carry state across the whole row. So
-:func:`body_forward` runs each document separately and concatenates the results.
+before it) ignore document boundaries and carry state across the whole row. So by
+default (``packing="documents"``) :func:`body_forward` runs each document separately and
+concatenates the results. A graph that declares ``packing = "mask"`` or ``"cu_seqlens"``
+gets what a user's script gets from ``model.model(input_ids, position_ids=...)`` over the
+whole packed row: transformers' own forward, with the dense mask (sdpa, eager) or the
+cu_seqlens (flash_attention_2) it derives from the position ids, so that a measurement
+of the run is a measurement of the forward ``check`` predicts.
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ def build_target(
     weights: str | Path | None,
     dtype: torch.dtype,
     device: torch.device | str,
+    attn_implementation: str = "sdpa",
 ):
     """Build a ``Qwen3_5ForCausalLM`` in eval mode on ``device`` with parameters in ``dtype``.
 
@@ -138,6 +144,8 @@ def build_target(
     ``model.safetensors.index.json``) or one ``.safetensors`` file, loaded with
     safetensors and checked strictly (missing or unexpected keys raise); ``None``
     keeps transformers' random init, which the caller seeds (``torch.manual_seed``).
+    ``attn_implementation``: transformers' attention interface ("sdpa", "eager",
+    "flash_attention_2"; the last needs the flash-attn package and a CUDA device).
     Never touches the network.
     """
     _offline()
@@ -147,7 +155,7 @@ def build_target(
     device = torch.device(device)
     with torch.device(device):
         # _from_config builds the parameters directly in `dtype` (no fp32 detour)
-        model = Qwen3_5ForCausalLM._from_config(cfg, dtype=dtype)
+        model = Qwen3_5ForCausalLM._from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     if weights is not None:
         state = _remap_keys(_read_safetensors(Path(weights)))
         if cfg.tie_word_embeddings and "lm_head.weight" not in state:
@@ -196,17 +204,24 @@ def document_spans(position_ids: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends, strict=True))
 
 
+PACKINGS = ("documents", "mask", "cu_seqlens")
+
+
 def body_forward(
     model,
     input_ids: Tensor,
     position_ids: Tensor,
     capture: Sequence[int],
+    packing: str = "documents",
 ) -> tuple[Tensor, dict[int, Tensor]]:
     """Run the body ``model.model`` (not ``lm_head``) over a packed sequence.
 
     ``input_ids`` and ``position_ids`` are 1-D ``[T]``; documents start where
-    ``position_ids == 0`` and are run one at a time, so no attention (full or linear)
-    crosses a document boundary. Runs under the caller's grad mode.
+    ``position_ids == 0``. ``packing="documents"`` runs them one at a time, so no attention
+    (full or linear) crosses a document boundary; ``"mask"`` and ``"cu_seqlens"`` run the
+    packed row in one call with its position ids, as transformers does for any caller
+    (full attention stays within a document; the reference Gated DeltaNet kernels do not).
+    Runs under the caller's grad mode.
 
     Returns ``(last, captured)``: ``last`` is the output of the last decoder layer
     BEFORE the final norm, ``[T, H]``; ``captured[i]`` is the output of decoder layer
@@ -237,8 +252,11 @@ def body_forward(
         return hook
 
     handles = [layers[i].register_forward_hook(make_hook(i)) for i in wanted]
+    if packing not in PACKINGS:
+        raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    spans = document_spans(position_ids) if packing == "documents" else [(0, int(input_ids.shape[0]))]
     try:
-        for start, end in document_spans(position_ids):
+        for start, end in spans:
             body(
                 input_ids=input_ids[start:end].unsqueeze(0),
                 position_ids=position_ids[start:end].unsqueeze(0),
