@@ -71,6 +71,15 @@ class Trainer:
         self.tdev = torch_devices(spec, opts.device_map)
         _set_threads(int(self.cfg.get("threads", 0)), self.tdev)
         seed = int(self.cfg["seed"])
+        # the data first: a bad record is reported before any model is built
+        base = Path(spec.data.get("_base", "."))
+        if "corpus" not in spec.data:
+            from ..errors import GraphError, Problem
+            raise GraphError(Problem("the graph has no [data] section", spec.loc(),
+                                     hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
+        seq = self._seq_len()
+        vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
+        self.data, self.held = load_data(spec.data, base, seq, seed, vocab)
         torch.manual_seed(seed)
         self.store = ModelStore(typed, self.tdev, seed)
         self.store.preload()
@@ -88,14 +97,6 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.masters, lr=float(self.cfg["lr"]), betas=betas,
                                      weight_decay=float(self.cfg["weight_decay"]))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(self.cfg["warmup_steps"]), self.steps))
-        base = Path(spec.data.get("_base", "."))
-        if "corpus" not in spec.data:
-            from ..errors import GraphError, Problem
-            raise GraphError(Problem("the graph has no [data] section", spec.loc(),
-                                     hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
-        seq = self._seq_len()
-        vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
-        self.data, self.held = load_data(spec.data, base, seq, seed, vocab)
         self.loss_node = next(n.id for n in typed.graph.nodes if registry.get(n.op).name == "loss")
         self.start_step = 0
         if opts.resume is not None:
