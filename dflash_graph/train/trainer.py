@@ -240,12 +240,9 @@ class Trainer:
 
     def _memory_summary(self) -> dict[str, tuple[int, int | None]]:
         mem, tr = self.plan.memory, self.interp.tracker
-        out = {}
-        for name, d in mem.devices.items():
-            pred = d.live_peak_bytes if tr is not None else d.peak_bytes
-            meas = int(tr.peak[name]) if tr is not None else None
-            out[name] = (pred, meas)
-        return out
+        now = self._memory_now()
+        return {name: (d.live_peak_bytes if tr is not None else d.peak_bytes, now.get(name))
+                for name, d in mem.devices.items()}
 
     def _save(self, step: int) -> None:
         checkpoint.save(self.opts.out, step, self.store.drafters, self.opt, self.sched, self.data.state(),
