@@ -74,7 +74,7 @@ def test_text_and_pretokenized_jsonl_and_parquet(tmp_path, tok):
     assert kind == "tokens"
     assert [(d.ids, d.loss) for d in docs] == [([5, 6, 7, 8], [False, False, True, True]),
                                                ([9, 10, 11], [False, True, True])]
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(recs[:1] + [{"input_ids": [9, 10, 11], "loss_mask": [1, 1, 0]}]),
@@ -128,7 +128,7 @@ def test_bad_records_give_a_located_error(tmp_path, tok, name, records, where, w
 
 
 def test_bad_parquet_row_is_located(tmp_path):
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist([{"input_ids": [1, 2]}, {"input_ids": [3, 70000]}]), tmp_path / "b.parquet")

@@ -91,7 +91,8 @@ def test_paths_are_relative_to_the_output(in_repo, tmp_path):
     assert doc["models"]["target"]["config"] == rel("graphs/tiny/config.json")
     assert doc["models"]["target"]["weights"] == rel("graphs/tiny/model.safetensors")
     assert doc["data"] == {"corpus": rel("graphs/tiny/corpus.jsonl"), "tokenizer": rel("graphs/tiny/tokenizer.json"),
-                           "text_key": "text"}
+                           "text_key": "text", "format": "auto", "messages_key": "messages", "split": "train",
+                           "holdout": 50}
     out.write_text(text)
     spec = load_graph(out)
     assert Path(spec.data["_base"]) / spec.data["corpus"] == out.parent / rel("graphs/tiny/corpus.jsonl")

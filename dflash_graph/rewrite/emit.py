@@ -201,7 +201,7 @@ def emit_toml(plan: Plan, out_path: str | os.PathLike | None = None) -> str:
         for k, v in data.items():
             if v is None:
                 continue
-            if k in ("corpus", "tokenizer"):
+            if k in ("corpus", "tokenizer", "chat_template"):
                 v = _rebase(v, base, out_dir)
             w.append(f"{toml_key(k)} = {toml_value(v)}")
         w.append("")

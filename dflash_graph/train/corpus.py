@@ -97,7 +97,11 @@ def _jsonl(path: Path) -> Iterator[tuple[dict[str, Any], int | None, int | None]
 
 
 def _parquet(path: Path) -> Iterator[tuple[dict[str, Any], int | None, int | None]]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise GraphError(Problem("reading a Parquet corpus needs the `pyarrow` package", Location(str(path)),
+                                 hint='pip install "dflash-graph[data]"')) from None
 
     row = 0
     for batch in pq.ParquetFile(str(path)).iter_batches(batch_size=1024):
@@ -111,7 +115,7 @@ def _hf(path: Path, split: str) -> Iterator[tuple[dict[str, Any], int | None, in
         import datasets
     except ImportError:
         raise GraphError(Problem("reading a Hugging Face datasets corpus needs the `datasets` package",
-                                 Location(str(path)), hint="pip install datasets")) from None
+                                 Location(str(path)), hint='pip install "dflash-graph[data]"')) from None
     datasets.disable_progress_bars()
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))

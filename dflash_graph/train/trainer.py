@@ -110,6 +110,23 @@ class Trainer:
         self.writer = min(writer_ranks) if self.comm is not None else 0
         self.is_writer = self.rank == self.writer
         self.seed = int(self.cfg["seed"])
+        # data first, so a bad record is reported before any model is built: one shard per replica whose
+        # token_input runs in this process; the held-out split where the whole graph runs in this process
+        # (held-out evaluation is single-process for now)
+        base = Path(spec.data.get("_base", "."))
+        token_nodes = [n for n in typed.graph.nodes if registry.get(n.op).traits.pure is False and not n.inputs]
+        self.shards: dict[int, PackedData] = {}
+        self.held = None
+        here = set(local) if local is not None else set(spec.devices)
+        mine = [r for r in range(R) if any(device_for(typed, n.device, r) in here for n in token_nodes)]
+        if mine:
+            if "corpus" not in spec.data:
+                raise GraphError(Problem("the graph has no [data] section", spec.loc(),
+                                         hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
+            vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
+            train, held = load_data(spec.data, base, self._seq_len(), self.seed, vocab)
+            self.shards = {r: train.shard(r, R) for r in mine}
+            self.held = held if self.comm is None else None
         torch.manual_seed(self.seed)
         self.store = ModelStore(typed, self.tdev, self.seed)
         self.store.preload(local)
@@ -131,21 +148,6 @@ class Trainer:
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(self.cfg["warmup_steps"]),
                                                                                 self.steps))
         self.loss_node = next(n.id for n in typed.graph.nodes if registry.get(n.op).name == "loss")
-        # data: one shard per replica whose token_input runs in this process; the held-out split where the whole
-        # graph runs in this process (held-out evaluation is single-process for now)
-        base = Path(spec.data.get("_base", "."))
-        token_nodes = [n for n in typed.graph.nodes if registry.get(n.op).traits.pure is False and not n.inputs]
-        self.shards: dict[int, PackedData] = {}
-        self.held = None
-        mine = [r for r in range(R) if any(self.interp.role(n, r) == "run" for n in token_nodes)]
-        if mine:
-            if "corpus" not in spec.data:
-                raise GraphError(Problem("the graph has no [data] section", spec.loc(),
-                                         hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
-            vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
-            train, held = load_data(spec.data, base, self._seq_len(), self.seed, vocab)
-            self.shards = {r: train.shard(r, R) for r in mine}
-            self.held = held if self.comm is None else None
         self.start_step = 0
         if opts.resume is not None and self.is_writer:
             state, ck = checkpoint.load(opts.resume)
