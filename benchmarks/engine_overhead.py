@@ -100,13 +100,15 @@ class HandStep:
                                      weight_decay=float(cfg["weight_decay"]))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(cfg["warmup_steps"]), trainer.steps))
         self.grad_clip = float(cfg["grad_clip"])
-        # the same data and anchors: a copy of the data cursor, a generator seeded as the Interpreter's
-        self.data = copy.deepcopy(trainer.data)
-        self.generator = torch.Generator().manual_seed(int(cfg["seed"]))
+        # the same data and anchors: copies of the replicas' data shards, and the generator the trainer seeds for
+        # each (step, micro-batch, replica)
+        self.shards = {r: copy.deepcopy(s) for r, s in trainer.shards.items()}
+        self.new_generator = trainer._generator
+        self.n = 0
         self.offsets = torch.arange(self.block)
         self.slot_w = slot_weights(self.block, self.gamma, "cpu")
 
-    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         from dflash_graph.models.nn.dflash import sample_anchors, slot_valid
         from dflash_graph.models.nn.qwen3_5 import body_forward
         from dflash_graph.ops.torch_impl import _chunk_loss
@@ -116,7 +118,7 @@ class HandStep:
         with torch.no_grad():
             last, captured = body_forward(self.target, ids, pos, self.capture)
             features = torch.cat([captured[i] for i in self.capture], dim=-1)           # [T, n*H]
-            drawn = sample_anchors(mask, pos, B, A, self.generator)
+            drawn = sample_anchors(mask, pos, B, A, generator)
             anchors = torch.zeros(A, dtype=torch.int64)
             anchors[: drawn.numel()] = drawn                                             # padding: masked by valid
             valid = slot_valid(mask, anchors, drawn.numel(), B)                           # [A, B]
@@ -136,10 +138,9 @@ class HandStep:
     def step(self) -> dict[str, Any]:
         R, accum = self.replicas, self.accum
         losses, accs = [], []
-        for _ in range(accum):
-            batches = [self.data.next_batch() for _ in range(R)]
-            for batch in batches:
-                loss, acc = self.forward_loss(batch)
+        for a in range(accum):
+            for r in range(R):
+                loss, acc = self.forward_loss(self.shards[r].next_batch(), self.new_generator(self.n, a, r))
                 (loss / (R * accum)).backward()
                 losses.append(float(loss.detach()))
                 accs.append(acc)
@@ -147,9 +148,21 @@ class HandStep:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        self.n += 1
         acc = torch.stack(accs).mean(0)
         return {"loss": sum(losses) / len(losses), "slot_acc": [round(float(a), 4) for a in acc.tolist()],
                 "grad_norm": gnorm, "lr": self.sched.get_last_lr()[0]}
+
+
+def _numbered(step_fn):
+    """The trainer's step takes its index (it seeds each replica's anchor generator from it): count them."""
+    n = [0]
+
+    def f():
+        m = step_fn(n[0])
+        n[0] += 1
+        return m
+    return f
 
 
 # --------------------------------------------------------------------------- measuring
@@ -236,9 +249,10 @@ def run(args) -> dict[str, Any]:
         trainer = build_engine(args.graph, args.set, Path(tmp) / "run")
         hand = HandStep(trainer)
         setup_s = time.perf_counter() - t0
+        engine_step = _numbered(trainer.step)
 
         # 1. the same loss on the same step, from the same state
-        me, he = trainer.step(), hand.step()
+        me, he = engine_step(), hand.step()
         first = {"engine_loss": me["loss"], "hand_loss": he["loss"], "abs_diff": abs(me["loss"] - he["loss"]),
                  "engine_grad_norm": me["grad_norm"], "hand_grad_norm": he["grad_norm"],
                  "engine_slot_acc": me["slot_acc"], "hand_slot_acc": he["slot_acc"]}
@@ -246,11 +260,11 @@ def run(args) -> dict[str, Any]:
 
         # 2. warmup, then interleaved timing: engine, hand, engine, hand, ...
         for _ in range(args.warmup):
-            me, he = trainer.step(), hand.step()
+            me, he = engine_step(), hand.step()
             loss_diffs.append(abs(me["loss"] - he["loss"]))
         te, th, ce, ch = [], [], [], []
         for _ in range(args.steps):
-            me, dt, dc = timed(trainer.step)
+            me, dt, dc = timed(engine_step)
             te.append(dt)
             ce.append(dc)
             he, dt, dc = timed(hand.step)
@@ -259,7 +273,7 @@ def run(args) -> dict[str, Any]:
             loss_diffs.append(abs(me["loss"] - he["loss"]))
 
         # 3. peak live bytes of one step of each, untimed, from the same state
-        peak_e, me = peak_live_bytes(trainer.step)
+        peak_e, me = peak_live_bytes(engine_step)
         peak_h, he = peak_live_bytes(hand.step)
         loss_diffs.append(abs(me["loss"] - he["loss"]))
         res_e = resident_bytes(trainer.params, list(trainer.store._full.values()), trainer.opt)
@@ -267,7 +281,7 @@ def run(args) -> dict[str, Any]:
 
         prof = None
         if args.profile:
-            prof = {"engine": profile_steps(trainer.step, args.profile), "hand": profile_steps(hand.step, args.profile)}
+            prof = {"engine": profile_steps(engine_step, args.profile), "hand": profile_steps(hand.step, args.profile)}
 
     se, sh = summary(te), summary(th)
     ci = bootstrap(te, th)
