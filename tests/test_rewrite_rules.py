@@ -103,7 +103,8 @@ def test_json_rewrites_carry_rule_nodes_and_savings(in_repo, capsys, plans):
         assert all(isinstance(v, int) and v >= 0 for v in r["saved_bytes"].values()), r   # decompose is `always`
     assert rw[0]["nodes"] == ["target", "target_norm", "target_lm_head"]
     drop_head = rw[1]
-    assert drop_head["nodes"] == ["target_lm_head"] and all(drop_head["saved_bytes"][f"gpu{i}"] > 13 * GiB for i in range(7))
+    # the logits (30.31 GiB) against the body's own peak, which carries the 4 GiB packed mask (packing = "mask")
+    assert drop_head["nodes"] == ["target_lm_head"] and all(drop_head["saved_bytes"][f"gpu{i}"] > 9 * GiB for i in range(7))
     assert rw[4]["nodes"] == ["verifier_roll"] and rw[4]["saved_bytes"]["gpu7"] > 26 * GiB
     # the savings add up: each is the driver's cost function (live_peaks) before minus after that rewrite
     from dflash_graph.analysis.memory import live_peaks
