@@ -133,12 +133,25 @@ def _plan(args) -> Plan:
                          expandable_segments=es, verify=getattr(args, "verify", False))
 
 
+def _extras(args, plan: Plan) -> dict[str, tuple[object, str]]:
+    """What the optional flags of check add: JSON key -> (JSON value, text for the console)."""
+    out: dict[str, tuple[object, str]] = {}
+    if getattr(args, "max", None):
+        from .whatif import max_for_graph, render_max
+
+        r = max_for_graph(args.graph, args.overrides, args.max, rewrite=plan.rewritten, base=plan)
+        out["max"] = (r.to_json(), render_max(r))
+    return out
+
+
 def cmd_check(args) -> int:
     t0 = time.perf_counter()
     plan = _plan(args)
     code = 0 if plan.memory.fits else 1
+    extras = _extras(args, plan)
     if args.json:
         out = plan_json(plan)
+        out.update({k: v for k, (v, _) in extras.items()})
         out["check_seconds"] = round(time.perf_counter() - t0, 3)
         json.dump(out, sys.stdout, indent=2)
         print()
@@ -163,6 +176,9 @@ def cmd_check(args) -> int:
     else:
         print(render_ooms(plan))
         print(f"verdict: predicted OOM on {', '.join(o.device for o in plan.memory.ooms)}")
+    for _, text in extras.values():
+        print()
+        print(text)
     print(f"checked in {time.perf_counter() - t0:.2f} s")
     return code
 

@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--expandable-segments", choices=("on", "off"), default=None,
                    help="override memory.expandable_segments for this check")
     c.add_argument("--verify", action="store_true", help="re-check every contract before and after each rewrite pass")
+    c.add_argument("--max", metavar="DIM", help="the largest value of a dim for which every device fits, e.g. "
+                                                "--max dims.seq (the live bytes solved, the allocator replayed)")
     pl = sub.add_parser("plan", help="print or write the rewritten graph",
                         description="Rewrite the graph and print it, or write it as TOML with --emit.")
     _common(pl)
