@@ -141,6 +141,10 @@ def _extras(args, plan: Plan) -> dict[str, tuple[object, str]]:
 
         r = max_for_graph(args.graph, args.overrides, args.max, rewrite=plan.rewritten, base=plan)
         out["max"] = (r.to_json(), render_max(r))
+    if getattr(args, "memory_snapshot", None):
+        from .snapshot import write_snapshot
+
+        out["memory_snapshot"] = write_snapshot(plan, args.memory_snapshot)
     return out
 
 

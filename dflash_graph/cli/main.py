@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--verify", action="store_true", help="re-check every contract before and after each rewrite pass")
     c.add_argument("--max", metavar="DIM", help="the largest value of a dim for which every device fits, e.g. "
                                                 "--max dims.seq (the live bytes solved, the allocator replayed)")
+    c.add_argument("--memory-snapshot", metavar="FILE.pickle",
+                   help="write the predicted allocation trace and segments of every CUDA device in the format of "
+                        "torch.cuda.memory._snapshot(), for https://pytorch.org/memory_viz")
     pl = sub.add_parser("plan", help="print or write the rewritten graph",
                         description="Rewrite the graph and print it, or write it as TOML with --emit.")
     _common(pl)
