@@ -145,6 +145,10 @@ def _extras(args, plan: Plan) -> dict[str, tuple[object, str]]:
         from .snapshot import write_snapshot
 
         out["memory_snapshot"] = write_snapshot(plan, args.memory_snapshot)
+    if getattr(args, "plot", None):
+        from .plot import plot_plan
+
+        out["plot"] = (args.plot, plot_plan(plan, args.plot))
     return out
 
 

@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--memory-snapshot", metavar="FILE.pickle",
                    help="write the predicted allocation trace and segments of every CUDA device in the format of "
                         "torch.cuda.memory._snapshot(), for https://pytorch.org/memory_viz")
+    c.add_argument("--plot", metavar="FILE.png|svg", help="draw each device's memory over the schedule, by category, "
+                                                          "as written and rewritten (needs matplotlib)")
     pl = sub.add_parser("plan", help="print or write the rewritten graph",
                         description="Rewrite the graph and print it, or write it as TOML with --emit.")
     _common(pl)
