@@ -46,6 +46,13 @@ def parser() -> argparse.ArgumentParser:
                         "torch.cuda.memory._snapshot(), for https://pytorch.org/memory_viz")
     c.add_argument("--plot", metavar="FILE.png|svg", help="draw each device's memory over the schedule, by category, "
                                                           "as written and rewritten (needs matplotlib)")
+    e = sub.add_parser("explain", help="one node: its contract, shapes, memory and FLOP formulas, and its rewrites",
+                       description="Explain one node of a graph: its contract (ops/catalog.py), its inferred shapes "
+                                   "symbolic and concrete, its memory and FLOP formulas with the dims substituted "
+                                   "and where each comes from, and which rewrites touched it and why they were legal.")
+    _common(e)
+    e.add_argument("node", help="node id (of the graph as written or as rewritten)")
+    e.add_argument("--no-rewrite", action="store_true", help="explain the node in the graph exactly as written")
     pl = sub.add_parser("plan", help="print or write the rewritten graph",
                         description="Rewrite the graph and print it, or write it as TOML with --emit.")
     _common(pl)
@@ -77,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "check":
             from .check import cmd_check
             return cmd_check(args)
+        if args.cmd == "explain":
+            from .explain import cmd_explain
+            return cmd_explain(args)
         if args.cmd == "plan":
             from .check import cmd_plan
             return cmd_plan(args)
