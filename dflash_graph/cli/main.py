@@ -53,6 +53,13 @@ def parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("node", help="node id (of the graph as written or as rewritten)")
     e.add_argument("--no-rewrite", action="store_true", help="explain the node in the graph exactly as written")
+    d = sub.add_parser("draw", help="draw the graph as written and rewritten (Graphviz)",
+                       description="Draw the graph as written and as rewritten: nodes, devices as clusters, shapes on "
+                                   "the edges, rewritten nodes marked. SVG and PNG need Graphviz's `dot`; .dot needs "
+                                   "nothing.")
+    _common(d)
+    d.add_argument("-o", "--output", required=True, metavar="FILE.svg|png|dot", help="where to write the drawing")
+    d.add_argument("--no-rewrite", action="store_true", help="draw only the graph exactly as written")
     pl = sub.add_parser("plan", help="print or write the rewritten graph",
                         description="Rewrite the graph and print it, or write it as TOML with --emit.")
     _common(pl)
@@ -87,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "explain":
             from .explain import cmd_explain
             return cmd_explain(args)
+        if args.cmd == "draw":
+            from .draw import cmd_draw
+            return cmd_draw(args)
         if args.cmd == "plan":
             from .check import cmd_plan
             return cmd_plan(args)
