@@ -86,11 +86,17 @@ def render_memory(mem: MemoryReport, before: MemoryReport | None = None) -> str:
 
 
 def render_ooms(plan: Plan) -> str:
+    import attrs
+
+    from .console import describe_tensor, grouped_ooms, span
+
     lines = []
-    for o in plan.memory.ooms:
+    for devices, o in grouped_ooms(plan.memory):      # one block per distinct failure (replicas fail alike)
         torch_dev = plan.typed.ctx.spec.devices[o.device].torch
-        lines.append(f"OOM on {o.device} at node '{o.node}':")
-        lines.append("  torch.OutOfMemoryError: " + o.message(torch_dev))
+        alike = f" (each of {span(devices)} the same way)" if len(devices) > 1 else ""
+        lines.append(f"OOM on {span(devices)} at node '{o.node}':")
+        named = attrs.evolve(o, tensor=describe_tensor(o, plan.typed))
+        lines.append("  torch.OutOfMemoryError: " + named.message(torch_dev) + alike)
     if lines:
         hints = []
         if not plan.rewritten:
@@ -129,6 +135,10 @@ def render_rewrites(plan: Plan) -> str:
 
 def _plan(args) -> Plan:
     es = None if getattr(args, "expandable_segments", None) is None else args.expandable_segments == "on"
+    if getattr(args, "device_map", None):
+        from .run import _mapped_overrides
+
+        args.overrides = [*args.overrides, *_mapped_overrides(args)]
     return compile_graph(args.graph, args.overrides, rewrite=not getattr(args, "no_rewrite", False),
                          expandable_segments=es, verify=getattr(args, "verify", False))
 
@@ -177,7 +187,13 @@ def cmd_check(args) -> int:
     alloc = ("CUDA caching allocator, " + ("expandable_segments" if es else "default settings")) if cuda else \
         "CPU devices: no caching allocator, reserved = allocated"
     print(f"memory per device (one training step, two simulated; {alloc}):")
-    print(render_memory(plan.memory, plan.memory_before))
+    from .console import print_memory_table, use_rich
+
+    if use_rich():
+        sys.stdout.flush()
+        print_memory_table(plan.memory, plan.memory_before)
+    else:
+        print(render_memory(plan.memory, plan.memory_before))
     print()
     if plan.memory.fits:
         print("verdict: fits on every device")
@@ -194,8 +210,16 @@ def cmd_check(args) -> int:
 def cmd_plan(args) -> int:
     plan = _plan(args)
     if args.emit:
+        import os
+
+        from ..errors import GraphError, Location, Problem
         from ..rewrite.emit import emit_toml
 
+        if os.path.exists(args.emit) and os.path.samefile(args.emit, args.graph):
+            stem = args.graph[:-5] if args.graph.endswith(".toml") else args.graph
+            raise GraphError(Problem(f"--emit {args.emit} is the graph being read: plan never overwrites its input",
+                                     Location(args.graph, None, "--emit"),
+                                     hint=f"write the rewritten graph beside it: --emit {stem}.rewritten.toml"))
         text = emit_toml(plan, args.emit)
         with open(args.emit, "w") as f:
             f.write(text)

@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--expandable-segments", choices=("on", "off"), default=None,
                    help="override memory.expandable_segments for this check")
     c.add_argument("--verify", action="store_true", help="re-check every contract before and after each rewrite pass")
+    c.add_argument("--device-map", action="append", default=[], metavar="FROM=TO",
+                   help="predict for remapped torch devices, as run would use them, e.g. 'cuda:*=cpu' (repeatable)")
     c.add_argument("--max", metavar="DIM", help="the largest value of a dim for which every device fits, e.g. "
                                                 "--max dims.seq (the live bytes solved, the allocator replayed)")
     c.add_argument("--memory-snapshot", metavar="FILE.pickle",
@@ -77,13 +79,40 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--strict", action="store_true", help="check every node's tensors against its contract at run time")
     r.add_argument("--force", action="store_true", help="run even if check predicts an OOM")
     r.add_argument("--no-rewrite", action="store_true", help="run the graph exactly as written")
-    r.add_argument("--no-progress", action="store_true", help="print plain log lines instead of a progress bar")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar: a plain line every train.log_every "
+                                                               "steps (also when stdout is not a terminal or NO_COLOR "
+                                                               "is set)")
+    r.add_argument("--tensorboard", metavar="DIR", help="also log loss, tau, accuracy, lr and memory to TensorBoard "
+                                                        "(torch.utils.tensorboard.SummaryWriter; needs tensorboard)")
+    ap.subcommands = {"check": c, "explain": e, "draw": d, "plan": pl, "run": r}
     return ap
+
+
+def _unknown_flags(ap: argparse.ArgumentParser, argv: Sequence[str] | None, unknown: list[str]) -> int:
+    """An unrecognized argument: name it, suggest the closest flag of that command, show the command's usage."""
+    import difflib
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = next((a for a in argv if a in ap.subcommands), None)
+    sub = ap.subcommands.get(cmd, ap)
+    flags = [o for a in sub._actions for o in a.option_strings]
+    lines = []
+    for u in unknown:
+        flag = u.split("=")[0]
+        close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6) if flag.startswith("-") else []
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"{sub.prog}: error: unrecognized argument {u}{hint}")
+    print(sub.format_usage().rstrip(), file=sys.stderr)
+    print("\n".join(lines), file=sys.stderr)
+    print(f"see: {sub.prog} --help", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = parser()
-    args = ap.parse_args(argv)
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        return _unknown_flags(ap, argv, unknown)
     if args.cmd is None:
         ap.print_help()
         return 2

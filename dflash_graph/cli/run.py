@@ -65,4 +65,10 @@ def cmd_run(args) -> int:
     opts = RunOptions(out=out, steps=args.steps, resume=Path(args.resume) if args.resume else None,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress)
-    return Trainer(plan, opts).run()
+    trainer = Trainer(plan, opts)
+    if getattr(args, "tensorboard", None):
+        from ..train.progress import Progress
+
+        trainer.progress = Progress(trainer.steps, trainer.start_step, bar=not args.no_progress,
+                                    log_every=int(trainer.cfg["log_every"]), tensorboard=args.tensorboard)
+    return trainer.run()
