@@ -134,7 +134,7 @@ def plot_plan(plan: Plan, path: str) -> str:
                 for c, (title, typed, mem) in enumerate(cols)]
         data, cap = max(t for t, _ in tops), max(c for _, c in tops)
         if cap <= 5 * data:
-            axes[r][0].set_ylim(0, max(data, cap) * 1.12)
+            axes[r][0].set_ylim(0, max(data, cap) * 1.2)
         else:       # a device far larger than what runs on it: scale to the data, say where the capacity is
             axes[r][0].set_ylim(0, data * 1.3)
             for ax in axes[r]:

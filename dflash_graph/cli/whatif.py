@@ -68,7 +68,9 @@ def render_max(r: MaxResult) -> str:
     lines.append(f"  allocator, replayed: {shown}{more}")
     if r.next_oom is not None:
         o = r.next_oom
-        lines.append(f"  at {n}={r.value + 1:,}: OOM on {o.device} at node '{o.node}', allocating {o.tensor} "
+        from .console import describe_tensor
+
+        lines.append(f"  at {n}={r.value + 1:,}: OOM on {o.device} at node '{o.node}', allocating {describe_tensor(o)} "
                      f"({fmt_bytes(o.requested_bytes)} requested, {fmt_bytes(o.free_bytes)} free)")
     if not r.confirmed:
         lines.append("  not confirmed by the whole pipeline at these dims: rerun check with --set to see it")
