@@ -106,3 +106,14 @@ def test_tensorboard_writes_events(tmp_path):
     p.update({"step": 1, "loss": 1.0, "slot_acc": [0, 0.5], "lr": 1e-3})
     p.close()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_check_imports_no_plotting_or_console_libraries_unasked(in_repo):
+    import subprocess
+    import sys
+
+    code = ("import sys; from dflash_graph.cli.main import main; main(['check', 'graphs/tiny.toml', '--max', "
+            "'dims.anchors']); bad = [m for m in ('torch', 'matplotlib', 'rich') if m in sys.modules]; "
+            "assert not bad, bad")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
