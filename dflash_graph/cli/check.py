@@ -89,11 +89,17 @@ def render_memory(mem: MemoryReport, before: MemoryReport | None = None) -> str:
 
 
 def render_ooms(plan: Plan) -> str:
+    import attrs
+
+    from .console import describe_tensor, grouped_ooms, span
+
     lines = []
-    for o in plan.memory.ooms:
+    for devices, o in grouped_ooms(plan.memory):      # one block per distinct failure (replicas fail alike)
         torch_dev = plan.typed.ctx.spec.devices[o.device].torch
-        lines.append(f"OOM on {o.device} at node '{o.node}':")
-        lines.append("  torch.OutOfMemoryError: " + o.message(torch_dev))
+        alike = f" (each of {span(devices)} the same way)" if len(devices) > 1 else ""
+        lines.append(f"OOM on {span(devices)} at node '{o.node}':")
+        named = attrs.evolve(o, tensor=describe_tensor(o, plan.typed))
+        lines.append("  torch.OutOfMemoryError: " + named.message(torch_dev) + alike)
     if lines:
         hints = []
         if not plan.rewritten:
@@ -132,16 +138,41 @@ def render_rewrites(plan: Plan) -> str:
 
 def _plan(args) -> Plan:
     es = None if getattr(args, "expandable_segments", None) is None else args.expandable_segments == "on"
+    if getattr(args, "device_map", None):
+        from .run import _mapped_overrides
+
+        args.overrides = [*args.overrides, *_mapped_overrides(args)]
     return compile_graph(args.graph, args.overrides, rewrite=not getattr(args, "no_rewrite", False),
                          expandable_segments=es, verify=getattr(args, "verify", False))
+
+
+def _extras(args, plan: Plan) -> dict[str, tuple[object, str]]:
+    """What the optional flags of check add: JSON key -> (JSON value, text for the console)."""
+    out: dict[str, tuple[object, str]] = {}
+    if getattr(args, "max", None):
+        from .whatif import max_for_graph, render_max
+
+        r = max_for_graph(args.graph, args.overrides, args.max, rewrite=plan.rewritten, base=plan)
+        out["max"] = (r.to_json(), render_max(r))
+    if getattr(args, "memory_snapshot", None):
+        from .snapshot import write_snapshot
+
+        out["memory_snapshot"] = write_snapshot(plan, args.memory_snapshot)
+    if getattr(args, "plot", None):
+        from .plot import plot_plan
+
+        out["plot"] = (args.plot, plot_plan(plan, args.plot))
+    return out
 
 
 def cmd_check(args) -> int:
     t0 = time.perf_counter()
     plan = _plan(args)
     code = 0 if plan.memory.fits else 1
+    extras = _extras(args, plan)
     if args.json:
         out = plan_json(plan)
+        out.update({k: v for k, (v, _) in extras.items()})
         out["check_seconds"] = round(time.perf_counter() - t0, 3)
         json.dump(out, sys.stdout, indent=2)
         print()
@@ -161,7 +192,13 @@ def cmd_check(args) -> int:
     alloc = ("CUDA caching allocator, " + ("expandable_segments" if es else "default settings")) if cuda else \
         "CPU devices: no caching allocator, reserved = allocated"
     print(f"memory per device (one training step, two simulated; {alloc}):")
-    print(render_memory(plan.memory, plan.memory_before))
+    from .console import print_memory_table, use_rich
+
+    if use_rich():
+        sys.stdout.flush()
+        print_memory_table(plan.memory, plan.memory_before)
+    else:
+        print(render_memory(plan.memory, plan.memory_before))
     print()
     print(render_launch(typed))
     print()
@@ -170,6 +207,9 @@ def cmd_check(args) -> int:
     else:
         print(render_ooms(plan))
         print(f"verdict: predicted OOM on {', '.join(o.device for o in plan.memory.ooms)}")
+    for _, text in extras.values():
+        print()
+        print(text)
     print(f"checked in {time.perf_counter() - t0:.2f} s")
     return code
 
@@ -177,8 +217,16 @@ def cmd_check(args) -> int:
 def cmd_plan(args) -> int:
     plan = _plan(args)
     if args.emit:
+        import os
+
+        from ..errors import GraphError, Location, Problem
         from ..rewrite.emit import emit_toml
 
+        if os.path.exists(args.emit) and os.path.samefile(args.emit, args.graph):
+            stem = args.graph[:-5] if args.graph.endswith(".toml") else args.graph
+            raise GraphError(Problem(f"--emit {args.emit} is the graph being read: plan never overwrites its input",
+                                     Location(args.graph, None, "--emit"),
+                                     hint=f"write the rewritten graph beside it: --emit {stem}.rewritten.toml"))
         text = emit_toml(plan, args.emit)
         with open(args.emit, "w") as f:
             f.write(text)

@@ -42,6 +42,29 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--expandable-segments", choices=("on", "off"), default=None,
                    help="override memory.expandable_segments for this check")
     c.add_argument("--verify", action="store_true", help="re-check every contract before and after each rewrite pass")
+    c.add_argument("--device-map", action="append", default=[], metavar="FROM=TO",
+                   help="predict for remapped torch devices, as run would use them, e.g. 'cuda:*=cpu' (repeatable)")
+    c.add_argument("--max", metavar="DIM", help="the largest value of a dim for which every device fits, e.g. "
+                                                "--max dims.seq (the live bytes solved, the allocator replayed)")
+    c.add_argument("--memory-snapshot", metavar="FILE.pickle",
+                   help="write the predicted allocation trace and segments of every CUDA device in the format of "
+                        "torch.cuda.memory._snapshot(), for https://pytorch.org/memory_viz")
+    c.add_argument("--plot", metavar="FILE.png|svg", help="draw each device's memory over the schedule, by category, "
+                                                          "as written and rewritten (needs matplotlib)")
+    e = sub.add_parser("explain", help="one node: its contract, shapes, memory and FLOP formulas, and its rewrites",
+                       description="Explain one node of a graph: its contract (ops/catalog.py), its inferred shapes "
+                                   "symbolic and concrete, its memory and FLOP formulas with the dims substituted "
+                                   "and where each comes from, and which rewrites touched it and why they were legal.")
+    _common(e)
+    e.add_argument("node", help="node id (of the graph as written or as rewritten)")
+    e.add_argument("--no-rewrite", action="store_true", help="explain the node in the graph exactly as written")
+    d = sub.add_parser("draw", help="draw the graph as written and rewritten (Graphviz)",
+                       description="Draw the graph as written and as rewritten: nodes, devices as clusters, shapes on "
+                                   "the edges, rewritten nodes marked. SVG and PNG need Graphviz's `dot`; .dot needs "
+                                   "nothing.")
+    _common(d)
+    d.add_argument("-o", "--output", required=True, metavar="FILE.svg|png|dot", help="where to write the drawing")
+    d.add_argument("--no-rewrite", action="store_true", help="draw only the graph exactly as written")
     pl = sub.add_parser("plan", help="print or write the rewritten graph",
                         description="Rewrite the graph and print it, or write it as TOML with --emit.")
     _common(pl)
@@ -59,20 +82,24 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--strict", action="store_true", help="check every node's tensors against its contract at run time")
     r.add_argument("--force", action="store_true", help="run even if check predicts an OOM")
     r.add_argument("--no-rewrite", action="store_true", help="run the graph exactly as written")
-    r.add_argument("--no-progress", action="store_true", help="print plain log lines instead of a progress bar")
-    e = sub.add_parser("eval", help="speculative decoding with the trained drafter: acceptance length, speed, lossless",
+    r.add_argument("--no-progress", action="store_true", help="no progress bar: a plain line every train.log_every "
+                                                               "steps (also when stdout is not a terminal or NO_COLOR "
+                                                               "is set)")
+    r.add_argument("--tensorboard", metavar="DIR", help="also log loss, tau, accuracy, lr and memory to TensorBoard "
+                                                        "(torch.utils.tensorboard.SummaryWriter; needs tensorboard)")
+    ev = sub.add_parser("eval", help="speculative decoding with the trained drafter: acceptance length, speed, lossless",
                        description="Decode held-out prompts with the target and the trained drafter (greedy "
                                    "verification, the graph's block size) and with the target alone; report the "
                                    "measured acceptance length, tokens per target forward and wall time. Exit 0 when "
                                    "every output equals target-only greedy decoding.")
-    _common(e)
-    e.add_argument("--checkpoint", required=True, metavar="DIR", help="the --out directory of a run")
-    e.add_argument("--prompts", type=int, default=16, help="held-out prompts to decode (default 16)")
-    e.add_argument("--prompt-tokens", type=int, default=24, help="tokens of each held-out document used as prompt")
-    e.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
-    e.add_argument("--device", default="cpu", help="torch device for the target and the drafter (default cpu)")
-    e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    e.add_argument("--json", action="store_true", help="print one JSON object")
+    _common(ev)
+    ev.add_argument("--checkpoint", required=True, metavar="DIR", help="the --out directory of a run")
+    ev.add_argument("--prompts", type=int, default=16, help="held-out prompts to decode (default 16)")
+    ev.add_argument("--prompt-tokens", type=int, default=24, help="tokens of each held-out document used as prompt")
+    ev.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
+    ev.add_argument("--device", default="cpu", help="torch device for the target and the drafter (default cpu)")
+    ev.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
     x = sub.add_parser("export", help="write the drafter as a Hugging Face DFlash draft directory",
                        description="Write DIR's drafter as config.json + model.safetensors in the DFlash draft "
                                    "format that z-lab's dflash code and SGLang (--speculative-algorithm DFLASH) load.")
@@ -89,12 +116,36 @@ def parser() -> argparse.ArgumentParser:
                                     "1: a theorem failed (its counterexample is printed).")
     pv.add_argument("-v", "--verbose", action="store_true", help="print each theorem's statement and axioms")
     pv.add_argument("-k", dest="only", default=None, help="only theorems whose name contains this")
+    ap.subcommands = {"check": c, "explain": e, "draw": d, "plan": pl, "run": r, "eval": ev, "export": x,
+                      "prove": pv}
     return ap
+
+
+def _unknown_flags(ap: argparse.ArgumentParser, argv: Sequence[str] | None, unknown: list[str]) -> int:
+    """An unrecognized argument: name it, suggest the closest flag of that command, show the command's usage."""
+    import difflib
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = next((a for a in argv if a in ap.subcommands), None)
+    sub = ap.subcommands.get(cmd, ap)
+    flags = [o for a in sub._actions for o in a.option_strings]
+    lines = []
+    for u in unknown:
+        flag = u.split("=")[0]
+        close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6) if flag.startswith("-") else []
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"{sub.prog}: error: unrecognized argument {u}{hint}")
+    print(sub.format_usage().rstrip(), file=sys.stderr)
+    print("\n".join(lines), file=sys.stderr)
+    print(f"see: {sub.prog} --help", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = parser()
-    args = ap.parse_args(argv)
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        return _unknown_flags(ap, argv, unknown)
     if args.cmd is None:
         ap.print_help()
         return 2
@@ -102,6 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "check":
             from .check import cmd_check
             return cmd_check(args)
+        if args.cmd == "explain":
+            from .explain import cmd_explain
+            return cmd_explain(args)
+        if args.cmd == "draw":
+            from .draw import cmd_draw
+            return cmd_draw(args)
         if args.cmd == "plan":
             from .check import cmd_plan
             return cmd_plan(args)

@@ -75,3 +75,51 @@ def ops_reference() -> str:
             out.append(f"- devices: {op.device_rule} (input on any device, output on the node's device)")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
+
+
+_PARAM_KIND = {"layer_ids": "list[int]"}
+
+
+def graph_json_schema() -> dict:
+    """spec.schema.json_schema, refined by the registries: `op` is one of the registered ops and each op's params
+    are its declared ones; `arch` is one of the registered archs and an inline config has that arch's keys."""
+    from ..models.registry import ARCHS
+    from ..ops import registry
+
+    js = schema.json_schema()
+    node = js["properties"]["nodes"]["items"]
+    ops = sorted(registry.all_ops())
+    node["properties"]["op"] = {**node["properties"]["op"], "enum": ops}
+    rules = []
+    for name in ops:
+        op = registry.get(name)
+        params = {}
+        for p in op.params:
+            ps = schema.kind_schema(_PARAM_KIND.get(p.kind, p.kind))
+            if p.choices:
+                ps = {"enum": list(p.choices)}
+            ps["description"] = p.doc
+            if p.default is not None:
+                ps["default"] = p.default
+            params[p.name] = ps
+        then = {"properties": {"params": {"type": "object", "properties": params, "additionalProperties": False,
+                                          "required": [p.name for p in op.params if p.required]}}}
+        if not then["properties"]["params"]["required"]:
+            del then["properties"]["params"]["required"]
+        rules.append({"if": {"properties": {"op": {"const": name}}, "required": ["op"]}, "then": then})
+    node["allOf"] = rules
+    model = js["properties"]["models"]["additionalProperties"]
+    model["properties"]["arch"] = {**model["properties"]["arch"], "enum": list(ARCHS)}
+    model["allOf"] = [
+        {"if": {"properties": {"arch": {"const": name}}, "required": ["arch"]},
+         "then": {"properties": {"config": {"oneOf": [
+             {"type": "string"},
+             {"type": "object", "propertyNames": {"enum": sorted(arch.config_keys)}}]}}}}
+        for name, arch in ARCHS.items()]
+    return js
+
+
+def graph_json_schema_text() -> str:
+    import json
+
+    return json.dumps(graph_json_schema(), indent=2, sort_keys=False) + "\n"

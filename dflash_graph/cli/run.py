@@ -78,6 +78,11 @@ def cmd_run(args) -> int:
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress, distributed=distributed)
     trainer = Trainer(plan, opts)
+    if getattr(args, "tensorboard", None) and trainer.is_writer:
+        from ..train.progress import Progress
+
+        trainer.progress = Progress(trainer.steps, trainer.start_step, bar=not args.no_progress,
+                                    log_every=int(trainer.cfg["log_every"]), tensorboard=args.tensorboard)
     if trainer.is_writer:
         _write_run_record(out, args)
     code = trainer.run()

@@ -1,5 +1,5 @@
-"""The TOML format, declared once: the loader validates against it, docs/toml-reference.md is generated from it
-(tools/gen_docs.py, checked by a test), and the JSON Schema (a later issue) will be derived from it."""
+"""The TOML format, declared once: the loader validates against it, and docs/toml-reference.md and the JSON Schema
+for editors (docs/graph.schema.json, `json_schema`) are generated from it (tools/gen_docs.py, checked by tests)."""
 
 from __future__ import annotations
 
@@ -155,3 +155,77 @@ TOP = Section("(top level)", "The sections of a graph file.", (
 ))
 
 SECTIONS = (TOP, GRAPH, DIMS, DEVICE, GROUPS, MEMORY, LAUNCH, MODEL, NODE, TRAIN, DATA)
+
+
+# -- JSON Schema (for editors: taplo, Even Better TOML) ---------------------------------------------------------
+
+# what units.parse_bytes accepts: a number and an optional unit (B, KB..TB, KiB..TiB, any case)
+SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([bB]|[kKmMgGtT][iI]?[bB])?\s*$"
+
+_KIND = {
+    "str": {"type": "string"},
+    "int": {"type": "integer"},
+    "float": {"type": "number"},
+    "bool": {"type": "boolean"},
+    "size": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": SIZE_PATTERN}]},
+    "dim": {"oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "minLength": 1}]},
+    "list[str]": {"type": "array", "items": {"type": "string"}},
+    "list[int]": {"type": "array", "items": {"type": "integer"}},
+    "list[float]": {"type": "array", "items": {"type": "number"}},
+    "table": {"type": "object"},
+    "list": {"type": "array"},
+    "any": {},
+    "str|table": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+    "list|table": {"oneOf": [{"type": "array", "items": {"type": "string"}},
+                             {"type": "object", "additionalProperties": {"type": "string"}}]},
+}
+
+
+def kind_schema(kind: str) -> dict:
+    return dict(_KIND[kind])
+
+
+def key_schema(k: Key) -> dict:
+    out = kind_schema(k.kind)
+    if k.choices:
+        out = {"enum": list(k.choices)}
+    out["description"] = k.doc
+    if k.default is not None and k.default != {}:
+        out["default"] = k.default
+    return out
+
+
+def section_schema(sec: Section) -> dict:
+    out: dict = {"type": "object", "description": sec.doc,
+                 "properties": {k.name: key_schema(k) for k in sec.keys}, "additionalProperties": False}
+    req = [k.name for k in sec.keys if k.required]
+    if req:
+        out["required"] = req
+    return out
+
+
+def json_schema() -> dict:
+    """The graph format as a JSON Schema (draft-07), from the sections above. The op and arch registries refine
+    it (cli/reference.graph_json_schema: op names, each op's params, each arch's config keys)."""
+    top = section_schema(TOP)
+    props = top["properties"]
+    props["graph"] = section_schema(GRAPH)
+    props["dims"] = {"type": "object", "description": DIMS.doc,
+                     "additionalProperties": {"oneOf": [{"type": "integer", "minimum": 1},
+                                                        {"type": "string", "minLength": 1}]}}
+    props["devices"] = {"type": "object", "description": DEVICE.doc, "minProperties": 1,
+                        "additionalProperties": section_schema(DEVICE)}
+    props["groups"] = {"type": "object", "description": GROUPS.doc,
+                       "additionalProperties": {"type": "array", "items": {"type": "string"}, "minItems": 1}}
+    props["memory"] = section_schema(MEMORY)
+    props["launch"] = section_schema(LAUNCH)
+    props["models"] = {"type": "object", "description": MODEL.doc, "additionalProperties": section_schema(MODEL)}
+    props["nodes"] = {"type": "array", "description": NODE.doc, "minItems": 1, "items": section_schema(NODE)}
+    props["train"] = section_schema(TRAIN)
+    props["data"] = section_schema(DATA)
+    return {"$schema": "http://json-schema.org/draft-07/schema#",
+            "$id": "https://github.com/dflash-graph/dflash-graph/docs/graph.schema.json",
+            "title": "dflash-graph training graph",
+            "description": "A DFlash drafter training graph (TOML). Generated from dflash_graph/spec/schema.py by "
+                           "tools/gen_docs.py; see docs/editors.md.",
+            **{k: v for k, v in top.items() if k != "description"}}

@@ -363,8 +363,8 @@ class Trainer:
                 tr.__exit__(None, None, None)
             if mf is not None:
                 mf.close()
-        if self.opts.progress and sys.stdout.isatty() and self.is_writer:
-            print()
+        if getattr(self, "progress", None) is not None:
+            self.progress.close()
         if self.comm is not None and (lost is not None or interrupted):
             return self._stop_distributed(step, lost)
         if hard_stop:
@@ -437,19 +437,14 @@ class Trainer:
         return {d: int(torch.cuda.max_memory_allocated(self.tdev[d])) for d in local}
 
     def _progress(self, rec: dict, t_start: float) -> None:
-        done = rec["step"] - self.start_step
-        left = self.steps - rec["step"]
-        eta = (time.perf_counter() - t_start) / max(done, 1) * left
-        mem = " ".join(f"{d} {fmt_bytes(b)}" for d, b in rec["memory_bytes"].items())
-        width = 20
-        filled = int(width * rec["step"] / max(self.steps, 1))
-        bar = "#" * filled + "." * (width - filled)
-        line = (f"[{bar}] step {rec['step']}/{self.steps} | loss {rec['loss']:.4f} | acc {rec['acc']:.3f} | "
-                f"{rec['tokens_per_s']:,.0f} tok/s | {mem} | eta {eta:.0f}s")
-        if self.opts.progress and sys.stdout.isatty():
-            print("\r" + line, end="", flush=True)
-        elif rec["step"] % int(self.cfg["log_every"]) == 0 or left == 0:
-            print(line, flush=True)
+        # all rendering lives in train/progress.py (rich bar or plain lines, smoothed loss and tau, TensorBoard);
+        # the command line may have set self.progress already (run --tensorboard)
+        if getattr(self, "progress", None) is None:
+            from .progress import Progress
+
+            self.progress = Progress(self.steps, self.start_step, bar=self.opts.progress,
+                                     log_every=int(self.cfg["log_every"]))
+        self.progress.update(rec)
 
     def _local_memory(self) -> tuple[dict, dict]:
         """This process's measured peaks, per local device and per node, next to the prediction."""
