@@ -185,7 +185,7 @@ def test_check_prints_the_assumption(in_repo, capsys):
 def test_eager_at_65536_is_an_oom_naming_the_scores(in_repo, capsys):
     assert main(["check", "graphs/qwen27b.toml", "--set", "models.target.attn_implementation=eager"]) == 1
     out = capsys.readouterr().out
-    assert "OOM on gpu0 at node 'target'" in out
+    assert "OOM on gpu0..gpu6 (7 devices) at node 'target'" in out      # one block for the seven targets
     assert "Tried to allocate 192.00 GiB" in out
     assert "allocating layer 3 [24, 65,536, 65,536] bfloat16 (eager_attention_forward" in out
 

@@ -413,19 +413,28 @@ def _no_cache(events: list[Event], usable: int) -> _NoCacheResult:
     return _NoCacheResult(peak, peak, peak_i, peak_i, oom, tuple(timeline))
 
 
+def outside_bytes(typed: Typed, device: str) -> int:
+    """What lies outside PyTorch's allocator on a device: its declared outside_allocator, plus NCCL's buffers for
+    each peer rank under torchrun (analysis/launch.py). The one definition every verdict uses."""
+    from .launch import nccl_outside_bytes
+
+    return typed.ctx.spec.devices[device].outside_allocator + nccl_outside_bytes(typed)[device]
+
+
+def usable_bytes(typed: Typed, device: str) -> int:
+    return max(typed.ctx.spec.devices[device].capacity - outside_bytes(typed, device), 0)
+
+
 def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> MemoryReport:
     spec = typed.ctx.spec
     if allocator is None:
         allocator = AllocatorConfig(expandable_segments=spec.memory.expandable_segments,
                                     max_split_size_bytes=spec.memory.max_split_size)
-    from .launch import nccl_outside_bytes
-
-    nccl = nccl_outside_bytes(typed)
     devices = {}
     for name, dev in spec.devices.items():
         events, resident = device_events(typed, name)
-        outside = dev.outside_allocator + nccl[name]     # NCCL's p2p buffers under torchrun (analysis/launch.py)
-        usable = max(dev.capacity - outside, 0)
+        outside = outside_bytes(typed, name)     # with NCCL's p2p buffers under torchrun (analysis/launch.py)
+        usable = usable_bytes(typed, name)
         skey = ("sim", _signature(typed, name), usable, dev.torch.startswith("cuda"), allocator)
         if skey in typed.cache:
             devices[name] = attrs.evolve(typed.cache[skey], name=name, torch=dev.torch,

@@ -22,7 +22,7 @@ from typing import Any
 
 from .allocator import AllocatorConfig, AllocatorOutOfMemory, CachingAllocatorSim, _Block
 from .infer import Typed
-from .memory import _signature, device_events
+from .memory import _signature, device_events, usable_bytes
 
 
 class _Recorder(CachingAllocatorSim):
@@ -75,7 +75,7 @@ def device_trace(typed: Typed, device: str, allocator: AllocatorConfig, index: i
     memory; the trace stops at the first OOM, as the run would."""
     spec = typed.ctx.spec
     dev = spec.devices[device]
-    usable = max(dev.capacity - dev.outside_allocator, 0)
+    usable = usable_bytes(typed, device)
     events, _ = device_events(typed, device)
     sim = _Recorder(usable, allocator)
     frames: dict[str, list[dict]] = {}
@@ -184,7 +184,7 @@ def snapshot(typed: Typed, allocator: AllocatorConfig) -> dict[str, Any]:
     done: dict[tuple, tuple[list[dict], list[dict]]] = {}
     for name, idx in devices.items():
         dev = spec.devices[name]
-        key = (_signature(typed, name), dev.capacity - dev.outside_allocator)
+        key = (_signature(typed, name), usable_bytes(typed, name))
         if key not in done:
             done[key] = device_trace(typed, name, allocator, idx)
         trace, segs = done[key]

@@ -32,7 +32,7 @@ from ..ir.dims import symbol
 from ..ir.graph import Graph
 from .infer import Typed, build, infer
 from .allocator import AllocatorConfig, simulate
-from .memory import MemoryReport, Oom, _signature, analyze_memory, device_events, events_peak
+from .memory import MemoryReport, Oom, _signature, analyze_memory, device_events, events_peak, usable_bytes
 
 _POINTS = 4          # lattice points that fix a polynomial of degree <= 3
 _CHECKS = 2          # more points it must also match
@@ -155,7 +155,7 @@ def _replay(typed: Typed, devices: Sequence[str], alloc: AllocatorConfig) -> _Re
     seen: dict[tuple, tuple[bool, tuple[int, int, int]]] = {}
     for dev in devices:
         d = spec.devices[dev]
-        usable = max(d.capacity - d.outside_allocator, 0)
+        usable = usable_bytes(typed, dev)
         key = (_signature(typed, dev), usable, d.torch.startswith("cuda"))
         if key not in seen:
             events, _ = device_events(typed, dev)
@@ -179,7 +179,7 @@ def max_dim(typed_at: Callable[[int, bool], Typed], typed0: Typed, name: str, al
     t0 = time.perf_counter() if t0 is None else t0
     spec = typed0.ctx.spec
     x0 = typed0.ctx.env.value(name)
-    usable = {n: max(d.capacity - d.outside_allocator, 0) for n, d in spec.devices.items()}
+    usable = {n: usable_bytes(typed0, n) for n in spec.devices}
     h = 64 * max(1, x0 // (64 * 16))
     samples: dict[int, dict[tuple[str, str], int]] = {}
     note = ""

@@ -51,7 +51,7 @@ def describe_tensor(o: Oom, typed: Typed | None = None) -> str:
         return f"{owner}.{m['port']} {m['shape']} {m['dtype']}" + (f" (made inside '{o.node}')" if m["hook"] else "")
     if m := _TEMP.match(what):
         where = f"decoder layer {m['layer']}" if m["layer"] else {"pro": "the prologue", "norm": "the final norm"}[m["part"]]
-        return f"a {fmt_bytes(o.requested_bytes)} temporary ({m['name']}) of {where} inside '{o.node}'"
+        return f"a {fmt_bytes(o.requested_bytes)} temporary ({m['name'].strip()}) of {where} inside '{o.node}'"
     if what.startswith("backward grad of "):
         return "the gradient of " + _typed_str(typed, what[len("backward grad of "):])
     if what.startswith("backward weight grad "):
@@ -61,7 +61,7 @@ def describe_tensor(o: Oom, typed: Typed | None = None) -> str:
         return f"the {kind} of '{o.node}' ({fmt_bytes(o.requested_bytes)} of temporaries while it runs)"
     if what == "saved for backward":
         return f"the tensors autograd saves for backward in '{o.node}' ({fmt_bytes(o.requested_bytes)})"
-    return what
+    return re.sub(r" #\d+$", "", what)        # the replay's own key for a temporary is not for users
 
 
 def span(devices: list[str]) -> str:
