@@ -71,7 +71,7 @@ class GraphSpec:
 
     def loc(self, *path: str | int) -> Location:
         p: Path = tuple(path)
-        return Location(self.file, self.lines.line_of(p), render_path(p) if p else None)
+        return Location(self.file, self.lines.line_of(p), render_path(p) if p else None, self.lines.flag_of(p))
 
     def node_loc(self, node: NodeSpec, *sub: str | int) -> Location:
         return self.loc("nodes", node.index, *sub)
