@@ -18,6 +18,8 @@ CASES = sorted(p.stem for p in BAD.glob("*.toml"))
 
 
 def args_of(path: str) -> list[str]:
+    if not Path(path).is_file():
+        return []
     first = Path(path).read_text(encoding="utf-8", errors="replace").split("\n", 1)[0]
     return first.removeprefix("# args:").split() if first.startswith("# args:") else []
 
