@@ -60,10 +60,19 @@ class Typed:
     ctx: GraphContext
     types: Mapping[Ref, TensorType]
     params: Mapping[str, Mapping[str, Any]]   # per node: params with defaults filled and dims evaluated
-    cache: dict = attrs.field(factory=dict, eq=False, repr=False)   # derived values (node costs), per typed graph
+    cache: dict = attrs.field(factory=dict, eq=False, repr=False)   # derived values of the whole typed graph
+    # derived values of one node that depend only on the node and its input and output types (its cost): a
+    # rewrite's re-inference hands them on for every node it leaves as it was (NOTE [Incremental inference])
+    node_cache: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     def outputs_of(self, nid: str) -> dict[str, TensorType]:
-        return {r.output: t for r, t in self.types.items() if r.node == nid}
+        index = self.cache.get("_outputs_of")
+        if index is None:
+            index = {}
+            for r, t in self.types.items():
+                index.setdefault(r.node, {})[r.output] = t
+            self.cache["_outputs_of"] = index
+        return dict(index.get(nid, {}))
 
     def inputs_of(self, nid: str) -> dict[str, TensorType]:
         return {p: self.types[r] for p, r in self.graph[nid].inputs}
@@ -221,15 +230,35 @@ def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
 
 # -- inference -----------------------------------------------------------------------------------------------
 
-def infer(graph: Graph, ctx: GraphContext) -> Typed:
+# NOTE [Incremental inference]: a node's types and params depend only on the node itself, the types of its
+# inputs and the context, so after a rewrite (`prev` is the graph before it) a node equal to its old self whose
+# inputs have their old types keeps its old result without being inferred again. A rewrite changes a few nodes,
+# so re-inference costs a comparison per node instead of a contract match per node, and check time grows with
+# the node count instead of with its square (benchmarks/check_scaling.py). The exceptions: a node reading a
+# handle (a forward's taps), whose legality depends on its sibling hook nodes, is always inferred again, and a
+# node cost (node_cache) is handed on only when no output is a handle, whose readers decide the cost.
+
+def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     types: dict[Ref, TensorType] = {}
     params: dict[str, Mapping[str, Any]] = {}
+    node_cache: dict[str, dict] = {}
     problems: list[Problem] = []
     failed: set[str] = set()
+    old = prev.graph if prev is not None and prev.ctx is ctx else None
     for node in graph.nodes:
         if any(r.node in failed for _, r in node.inputs):
             failed.add(node.id)
             continue
+        if old is not None and node.id in old and old[node.id] == node and node.id in prev.params:
+            ins = [(r, types.get(r)) for _, r in node.inputs]
+            if all(t is not None and t == prev.types.get(r) and t.dtype != "handle" for r, t in ins):
+                outs = prev.outputs_of(node.id)
+                params[node.id] = prev.params[node.id]
+                for name, t in outs.items():
+                    types[Ref(node.id, name)] = t
+                if node.id in prev.node_cache and all(t.dtype != "handle" for t in outs.values()):
+                    node_cache[node.id] = prev.node_cache[node.id]
+                continue
         try:
             p, outs = _infer_node(node, graph, ctx, types)
         except _NodeProblem as e:
@@ -241,7 +270,7 @@ def infer(graph: Graph, ctx: GraphContext) -> Typed:
             types[Ref(node.id, name)] = t
     if problems:
         raise GraphError(problems)
-    return Typed(graph, ctx, types, params)
+    return Typed(graph, ctx, types, params, node_cache=node_cache)
 
 
 class _NodeProblem(Exception):

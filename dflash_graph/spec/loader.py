@@ -227,7 +227,8 @@ class _Builder:
         while todo:
             path, v = todo.pop()
             if len(path) > MAX_DEPTH:
-                self.err(path[:MAX_DEPTH], f"values nest more than {MAX_DEPTH} deep", hint="is this a model config?")
+                self.err(path[:3], f"values nest more than {MAX_DEPTH} deep (at {render_path(path[:6])}...)",
+                         hint="a graph and a model config nest a few levels deep")
                 return
             if isinstance(v, dict):
                 todo.extend(((*path, k), x) for k, x in v.items())
