@@ -36,6 +36,7 @@ BASES = {
 TEXTS = {k: p.read_text() for k, p in BASES.items()}
 HANG_SECONDS = 60     # a hang detector, not a performance claim (benchmarks/check_scaling.py measures time)
 OUTCOMES: Counter = Counter()
+LAST = {"message": ""}
 
 HOSTILE = [
     "0", "-1", "-3", "1", "2", "3", "64", "1.5", "0.0", "-0.0", "1e30", "1e-30", str(2**31), str(2**64), str(10**12),
@@ -76,9 +77,9 @@ def hang_guard(seconds: int):
 
 def mutate(text: str, rnd: random.Random) -> str:
     lines = text.split("\n")
-    for _ in range(rnd.randint(1, 3)):
-        kind = rnd.choice(["value", "value", "value", "delete", "duplicate", "swap", "truncate", "junk", "nodes",
-                           "rename", "reref"])
+    for _ in range(rnd.choice([1, 1, 1, 2, 3])):
+        kind = rnd.choice(["value"] * 6 + ["delete", "duplicate", "swap", "truncate", "junk", "nodes", "rename",
+                                           "reref", "reref"])
         i = rnd.randrange(len(lines)) if lines else 0
         if kind == "value":
             assigns = [j for j, ln in enumerate(lines) if re.match(r"\s*[A-Za-z0-9_\-\"]+\s*=", ln)]
@@ -148,7 +149,7 @@ def check_once(workdir: Path, seed: int) -> str:
     out, err = io.StringIO(), io.StringIO()
     with hang_guard(HANG_SECONDS), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
-    msg = err.getvalue()
+    msg = LAST["message"] = err.getvalue()
     assert code in (0, 1, 2), f"seed {seed}: exit {code}\n{msg}\nargv: {argv[:3]}"
     assert "Traceback" not in msg and "internal error" not in msg, f"seed {seed}: {msg}"
     if code == 2:
@@ -197,6 +198,7 @@ if __name__ == "__main__":
         for sub in ("tiny", "qwen27b"):
             (d / "a" / "b" / sub).symlink_to(ROOT / "graphs" / sub)
         slowest = (0.0, None)
+        kinds: Counter = Counter()
         t_all = time.perf_counter()
         for seed in range(n):
             t = time.perf_counter()
@@ -207,5 +209,10 @@ if __name__ == "__main__":
                 print(e)
             dt = time.perf_counter() - t
             slowest = max(slowest, (dt, seed))
+            first = LAST["message"].split("\n", 1)[0].partition(": error")[2] or "(no error)"
+            kinds[re.sub(r"'[^']*'|\d+", "_", first.split(":", 1)[-1])[:80]] += 1
         print(f"{n} mutated graphs in {time.perf_counter() - t_all:.0f} s:", dict(OUTCOMES),
               f"slowest: {slowest[0]:.2f} s (seed {slowest[1]})")
+        print(f"{len(kinds)} distinct first errors; the most common:")
+        for k, v in kinds.most_common(25):
+            print(f"{v:6d}  {k}")
