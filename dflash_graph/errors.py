@@ -19,9 +19,9 @@ class Location:
     flag: str | None = None  # the command-line flag that wrote the value, e.g. "--set dims.seq=0"
 
     def render(self) -> str:
-        where = self.file or "<graph>"
         if self.flag is not None:   # the value came from the command line: the flag is where to fix it
-            return f"{where}: {self.flag}"
+            return f"{self.file}: {self.flag}" if self.file else self.flag
+        where = self.file or "<graph>"
         if self.line is not None:
             where += f":{self.line}"
         return where

@@ -48,6 +48,17 @@ def _mapped_overrides(args) -> list[str]:
 
 
 def cmd_run(args) -> int:
+    from ..errors import GraphError, Location, Problem
+
+    if args.steps is not None and args.steps < 1:
+        raise GraphError(Problem(f"--steps must be a positive number of optimizer steps, got {args.steps}",
+                                 Location(None, None, None, f"--steps {args.steps}"), hint="e.g. --steps 200"))
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise GraphError(Problem("`run` needs torch, which is not installed (check works without it)",
+                                 Location(None, None, None, "run"),
+                                 hint='pip install torch && pip install -e ".[run]"')) from None
     plan = compile_graph(args.graph, [*args.overrides, *_mapped_overrides(args)], rewrite=not args.no_rewrite)
     spec = plan.typed.ctx.spec
     print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")
@@ -59,10 +70,21 @@ def cmd_run(args) -> int:
             return 1
     _allocator_env(plan)
     from ..exec.devices import parse_device_map
+    from ..train import rundir
     from ..train.trainer import RunOptions, Trainer
 
-    out = Path(args.out) if args.out else Path("runs") / spec.name
-    opts = RunOptions(out=out, steps=args.steps, resume=Path(args.resume) if args.resume else None,
+    resume = Path(args.resume) if args.resume else None
+    # --resume DIR continues in DIR; --out names another directory to continue into
+    out = Path(args.out) if args.out else resume if resume is not None else Path("runs") / spec.name
+    if resume is not None:
+        rundir.check_resume(resume, spec, getattr(args, "allow_change", []))
+    elif getattr(args, "allow_change", []):
+        raise GraphError(Problem("--allow-change only applies with --resume", Location(None, None, None, "--allow-change")))
+    rundir.prepare(out, resume, getattr(args, "overwrite", False))
+    opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress)
-    return Trainer(plan, opts).run()
+    trainer = Trainer(plan, opts)
+    out.mkdir(parents=True, exist_ok=True)
+    rundir.record(out, spec, sys.argv, args.overrides, resumed=resume is not None and resume.resolve() == out.resolve())
+    return trainer.run()

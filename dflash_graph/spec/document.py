@@ -68,6 +68,9 @@ class GraphSpec:
     data: Mapping[str, Any]
     lines: LineIndex = attrs.field(eq=False, repr=False)
     description: str = ""
+    # the whole document as loaded, --set applied and config.json files read in: what a run records, and what a
+    # resume compares against (train/rundir.py)
+    resolved: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     def loc(self, *path: str | int) -> Location:
         p: Path = tuple(path)

@@ -174,7 +174,9 @@ class _Builder:
         data = self.check_keys(raw["data"], schema.DATA, ("data",)) if "data" in raw else {}
         self.fail_if_any()
         del top
-        return GraphSpec(
+        import copy
+
+        return GraphSpec(resolved=copy.deepcopy(raw),
             file=self.file, name=graph["name"] or (FsPath(self.file).stem if self.file else "graph"),
             description=graph["description"] or "", dims=frozen_map(dims), devices=frozen_map(devices),
             groups=frozen_map(groups), models=frozen_map(models), nodes=tuple(nodes),

@@ -101,9 +101,12 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
     _fsync_file(tmp / "manifest.json")
     _fsync_dir(tmp)
     final = root / f"step-{step:08d}"
-    if final.exists():       # the same step saved again (a resumed run that stopped where it started)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    if final.exists() and verify(final) is None:   # the same step again (a resume that stopped where it began):
+        shutil.rmtree(tmp)                         # keep the complete one on disk rather than swap it non-atomically
+    else:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
     _fsync_dir(root)
     _point_latest(dirpath, final)
     for old in _steps(dirpath)[keep:]:
