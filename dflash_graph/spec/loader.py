@@ -399,7 +399,7 @@ def apply_overrides(raw: dict, overrides: Sequence[str], b: _Builder | None = No
     set_by: dict[Path, str] = {}
     for ov in overrides:
         key, sep, val = ov.partition("=")
-        flag = f"--set {short(ov, 120)[1:-1]}"
+        flag = f"--set {ov if len(ov) <= 120 else ov[:100] + f'... ({len(ov):,} characters)'}"
         loc = Location(b.file if b else None, None, None, flag)
 
         def fail(msg: str, hint: str | None = None):
@@ -451,10 +451,14 @@ def apply_overrides(raw: dict, overrides: Sequence[str], b: _Builder | None = No
         if isinstance(old, (dict, list)):
             fail(f"only scalars can be set, '{key.strip()}' is a {'table' if isinstance(old, dict) else 'list'}",
                  hint=f"set its keys one by one, e.g. --set {key.strip()}.<key>=VALUE" if isinstance(old, dict) else None)
+        if len(val) > 100_000:
+            fail(f"the value is {len(val):,} characters, over the bound of 100,000 for a --set value")
         try:
             value = _parse_scalar(val.strip())
         except ValueError as e:   # a number over 4,300 digits
             fail(f"cannot read the value: {str(e).split(';')[0]}")
+        except RecursionError:
+            fail(f"cannot read the value: it nests too deeply (a --set value is a scalar)")
         if isinstance(value, (dict, list)):
             fail("only scalars can be set (a number, a string, true or false)")
         cur[parts[-1]] = value
