@@ -55,10 +55,10 @@ class ContractBroken(RuntimeError):
 
 # NOTE [Rewrite bound]: each candidate rewrite is re-inferred incrementally (NOTE [Incremental inference] in
 # analysis/infer.py) but priced by the memory model over the whole device (analysis/memory.live_peaks), and the
-# number of rewrites grows with the node count, so rewriting costs about the square of the node count: ~2 s at 50
-# nodes, ~4 s at 100 (benchmarks/check_scaling.py). Training graphs have 10 to 40 nodes; a larger graph is
-# refused with this bound named, and checks as written (--no-rewrite: linear, ~1 s at 1,000 nodes).
-MAX_REWRITE_NODES = 150
+# number of rewrites grows with the node count, so rewriting costs about the square of the node count: 0.5 CPU s at
+# 50 nodes, 1.2 s at 100, 3.5 s at 150 (benchmarks/check_scaling.py). Training graphs have 10 to 40 nodes; a larger
+# graph is refused with this bound named, and checks as written (--no-rewrite: linear, ~1 s at 1,000 nodes).
+MAX_REWRITE_NODES = 100
 
 Tables = Sequence[tuple[str, Sequence[Rule]]]
 Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed -> (peak per device, flops per device)
