@@ -59,12 +59,12 @@ SET_KEYS = [
 
 
 @contextlib.contextmanager
-def hang_guard(seconds: int):
+def hang_guard(seconds: int, seed: int | None = None):
     class Hang(BaseException):   # not an Exception: main() must not turn it into an exit code
         pass
 
     def on_alarm(signum, frame):
-        raise Hang(f"check did not answer in {seconds} s")
+        raise Hang(f"seed {seed}: check did not answer in {seconds} s")
 
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(seconds)
@@ -147,7 +147,7 @@ def check_once(workdir: Path, seed: int) -> str:
     if rnd.random() < 0.1:
         argv.append("--no-rewrite")
     out, err = io.StringIO(), io.StringIO()
-    with hang_guard(HANG_SECONDS), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with hang_guard(HANG_SECONDS, seed), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
     msg = LAST["message"] = err.getvalue()
     assert code in (0, 1, 2), f"seed {seed}: exit {code}\n{msg}\nargv: {argv[:3]}"
@@ -204,8 +204,10 @@ if __name__ == "__main__":
             t = time.perf_counter()
             try:
                 OUTCOMES[check_once(d, seed)] += 1
-            except AssertionError as e:
-                OUTCOMES["FAILED"] += 1
+            except (AssertionError, BaseException) as e:   # a Hang is a BaseException
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                OUTCOMES["FAILED" if isinstance(e, AssertionError) else "HANG"] += 1
                 print(e)
             dt = time.perf_counter() - t
             slowest = max(slowest, (dt, seed))

@@ -86,6 +86,10 @@ class Typed:
 # this bound named rather than left to run for minutes (10**12 layers never finished).
 MAX_LAYERS = 512
 MAX_NODES = 5000
+# the memory model replays every layer of every node that runs a model's decoder layers (an op whose components
+# include "layers"), per device it runs on: the 27B graph runs 450 (64 layers on 7 GPUs, the drafter's 1); a fuzzed
+# graph with 400 copies of its forward took minutes
+MAX_LAYER_REPLAYS = 4096
 
 def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
     problems: list[Problem] = []
@@ -137,6 +141,16 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             continue
         models[name] = ModelInfo(m, cfg, dims)
     problems += _check_model_links(spec, models)
+    replays = 0
+    for ns in spec.nodes:
+        op = registry.get(ns.op)
+        if op is not None and "layers" in op.components and ns.model in models:
+            n = getattr(models[ns.model].dims, "num_hidden_layers", 0)
+            replays += (n if isinstance(n, int) else 0) * len(spec.placement(ns.device))
+    if replays > MAX_LAYER_REPLAYS:
+        problems.append(Problem(f"the graph's nodes run {replays:,} decoder layers per step, over the bound of "
+                                f"{MAX_LAYER_REPLAYS:,} that check replays in seconds", spec.loc("nodes"),
+                                hint="a training graph runs each model's layers a few times per step; is it generated?"))
     if len(spec.nodes) > MAX_NODES:
         problems.append(Problem(f"the graph has {len(spec.nodes):,} nodes, over the bound of {MAX_NODES:,}",
                                 spec.loc("nodes"), hint="a training graph has tens of nodes; is it generated?"))
