@@ -16,8 +16,11 @@ class Location:
     file: str | None = None
     line: int | None = None
     path: str | None = None  # TOML path, e.g. "nodes[3].inputs.x"
+    flag: str | None = None  # the command-line flag that wrote the value, e.g. "--set dims.seq=0"
 
     def render(self) -> str:
+        if self.flag is not None:   # the value came from the command line: the flag is where to fix it
+            return f"{self.file}: {self.flag}" if self.file else self.flag
         where = self.file or "<graph>"
         if self.line is not None:
             where += f":{self.line}"
@@ -69,3 +72,12 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
 
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def short(v: object, limit: int = 60) -> str:
+    """repr of a value cut to `limit` characters: a value in a message may be megabytes long."""
+    try:
+        r = repr(v)
+    except ValueError:    # an int over Python's 4,300-digit limit for str()
+        return "a number too long to print"
+    return r if len(r) <= limit else r[:limit - 10] + f"... ({len(r):,} characters)"

@@ -9,6 +9,9 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# NOTE [Size bound]: no device or tensor in this project comes near an exbibyte; a larger figure is a typo (or a
+# fuzzer), and refusing it keeps every later sum an ordinary number instead of an OverflowError or inf.
+MAX_BYTES = 2**60
 
 # bytes per element; names as torch spells them (torch.bfloat16 -> "bfloat16")
 DTYPE_BYTES = {
@@ -27,11 +30,22 @@ def parse_bytes(text: str | int) -> int:
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"a size cannot be negative, got {text}")
-        return text
-    m = _SIZE_RE.match(str(text))
+        return _bounded(text, text)
+    text = str(text)
+    m = _SIZE_RE.match(text) if len(text) <= 64 else None
     if not m or m.group(2).lower() not in _UNITS | {"": 1}:
-        raise ValueError(f"expected a size such as '94.97 GiB' or '512 MiB' (units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), got {text!r}")
-    return int(round(float(m.group(1)) * _UNITS.get(m.group(2).lower(), 1)))
+        shown = text if len(text) <= 64 else text[:40] + f"... ({len(text)} characters)"
+        raise ValueError(f"expected a size such as '94.97 GiB' or '512 MiB' (units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), got {shown!r}")
+    whole, _, frac = m.group(1).partition(".")
+    if len(whole.lstrip("0")) > 19:   # > 10**19 of any unit is over the bound; never build an inf float
+        return _bounded(10**20, text)
+    return _bounded(int(round(float(m.group(1)) * _UNITS.get(m.group(2).lower(), 1))), text)
+
+
+def _bounded(n: int, text: object) -> int:
+    if n > MAX_BYTES:
+        raise ValueError(f"size {str(text)[:40]!r} is over the bound of 1 EiB (2**60 bytes)")
+    return n
 
 
 def fmt_bytes(n: int | float) -> str:

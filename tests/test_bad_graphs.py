@@ -1,6 +1,9 @@
 """One broken graph per error kind (tests/graphs/bad/*.toml), each with its expected message (the .expected
 file next to it: golden text). Regenerate after an intended wording change with
-`python tests/test_bad_graphs.py --update` and review the diff."""
+`python tests/test_bad_graphs.py --update` and review the diff.
+
+A fixture whose first line is `# args: --set KEY=VALUE ...` is checked with those flags: the error then names
+the flag, not a line of the file."""
 
 import subprocess
 import sys
@@ -14,8 +17,15 @@ BAD = Path(__file__).parent / "graphs" / "bad"
 CASES = sorted(p.stem for p in BAD.glob("*.toml"))
 
 
+def args_of(path: str) -> list[str]:
+    if not Path(path).is_file():
+        return []
+    first = Path(path).read_text(encoding="utf-8", errors="replace").split("\n", 1)[0]
+    return first.removeprefix("# args:").split() if first.startswith("# args:") else []
+
+
 def run_check(path: str, capsys) -> tuple[int, str, str]:
-    code = main(["check", path])
+    code = main(["check", path, *args_of(path)])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -68,6 +78,6 @@ if __name__ == "__main__" and "--update" in sys.argv:
     for name in CASES:
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            main(["check", f"tests/graphs/bad/{name}.toml"])
+            main(["check", f"tests/graphs/bad/{name}.toml", *args_of(f"tests/graphs/bad/{name}.toml")])
         (BAD / f"{name}.expected").write_text(err.getvalue())
         print("wrote", name)

@@ -12,8 +12,8 @@ from typing import Any
 
 import attrs
 
-from ..errors import GraphError, Location, Problem, did_you_mean
-from ..ir.dims import DimEnv, DimError
+from ..errors import GraphError, Location, Problem, did_you_mean, short
+from ..ir.dims import MAX_DIM, DimEnv, DimError
 from ..ir.graph import CycleError, Graph, Node, Ref
 from ..ir.types import Dim, TensorType
 from ..models.registry import ARCHS
@@ -60,16 +60,36 @@ class Typed:
     ctx: GraphContext
     types: Mapping[Ref, TensorType]
     params: Mapping[str, Mapping[str, Any]]   # per node: params with defaults filled and dims evaluated
-    cache: dict = attrs.field(factory=dict, eq=False, repr=False)   # derived values (node costs), per typed graph
+    cache: dict = attrs.field(factory=dict, eq=False, repr=False)   # derived values of the whole typed graph
+    # derived values of one node that depend only on the node and its input and output types (its cost): a
+    # rewrite's re-inference hands them on for every node it leaves as it was (NOTE [Incremental inference])
+    node_cache: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     def outputs_of(self, nid: str) -> dict[str, TensorType]:
-        return {r.output: t for r, t in self.types.items() if r.node == nid}
+        index = self.cache.get("_outputs_of")
+        if index is None:
+            index = {}
+            for r, t in self.types.items():
+                index.setdefault(r.node, {})[r.output] = t
+            self.cache["_outputs_of"] = index
+        return dict(index.get(nid, {}))
 
     def inputs_of(self, nid: str) -> dict[str, TensorType]:
         return {p: self.types[r] for p, r in self.graph[nid].inputs}
 
 
 # -- building ------------------------------------------------------------------------------------------------
+
+# NOTE [Layer bound]: the memory model replays a forward layer by layer (analysis/memory.py), so check time grows
+# with the layer count: 64 layers cost about what 2 do, 1,000 cost seconds. The largest released models have
+# 61 (DeepSeek-V3) to 126 (Llama 3.1 405B) layers; 512 is four times that, and a larger count is refused with
+# this bound named rather than left to run for minutes (10**12 layers never finished).
+MAX_LAYERS = 512
+MAX_NODES = 5000
+# the memory model replays every layer of every node that runs a model's decoder layers (an op whose components
+# include "layers"), per device it runs on: the 27B graph runs 450 (64 layers on 7 GPUs, the drafter's 1); a fuzzed
+# graph with 400 copies of its forward took minutes
+MAX_LAYER_REPLAYS = 4096
 
 def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
     problems: list[Problem] = []
@@ -86,9 +106,9 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             problems.append(Problem(f"unknown arch '{m.arch}'{did_you_mean(m.arch, list(ARCHS))}",
                                     spec.loc("models", name, "arch"), hint="archs: " + ", ".join(ARCHS)))
             continue
-        if m.config_file is None:   # an inline config is checked key by key; a checkpoint's config.json is not
-            known = ARCHS[m.arch].config_keys
-            for k in m.config:
+        known = ARCHS[m.arch].config_keys
+        for k in m.config:   # an inline config is checked key by key; a config.json only for keys --set added
+            if m.config_file is None or (spec.lines.flag_of(("models", name, "config", k)) and k not in known):
                 if k not in known:
                     problems.append(Problem(f"unknown config key '{k}' for arch '{m.arch}'"
                                             f"{did_you_mean(k, sorted(known))}", spec.loc("models", name, "config", k),
@@ -101,10 +121,22 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
                 except DimError as e:
                     problems.append(Problem(str(e), spec.loc("models", name, "config", k)))
             cfg[k] = v
+        big = next((k for k, v in cfg.items() if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_DIM), None)
+        if big is not None:
+            problems.append(Problem(f"config key '{big}' = {short(cfg[big])} is over the bound of 2**48 for a size",
+                                    spec.loc("models", name, "config", big)))
+            continue
+        layers = cfg.get("num_hidden_layers")   # before the arch builds per-layer tables of that length
+        if isinstance(layers, int) and layers > MAX_LAYERS:
+            problems.append(Problem(f"model '{name}' has {layers:,} layers, over the bound of {MAX_LAYERS} that check "
+                                    "can replay in about a second", spec.loc("models", name, "config", "num_hidden_layers"),
+                                    hint="the largest released models have about 130 layers; is this a typo?"))
+            continue
         try:
             dims = ARCHS[m.arch].dims(cfg)
-        except (ValueError, TypeError, KeyError) as e:
-            problems.append(Problem(f"invalid {m.arch} config for model '{name}': {e}", spec.loc("models", name, "config"),
+        except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+            problems.append(Problem(f"invalid {m.arch} config for model '{name}': {short(str(e), 300)[1:-1]}",
+                                    spec.loc("models", name, "config"),
                                     hint=f"see docs/toml-reference.md for arch '{m.arch}'"))
             continue
         if hasattr(dims, "with_forward"):   # how transformers runs this model's forward (models.<name>.packing, ...)
@@ -121,6 +153,20 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
                                     spec.loc("models", name, key), hint="only a qwen3_5 target declares its forward"))
             continue
         models[name] = ModelInfo(m, cfg, dims)
+    problems += _check_model_links(spec, models)
+    replays = 0
+    for ns in spec.nodes:
+        op = registry.get(ns.op)
+        if op is not None and "layers" in op.components and ns.model in models:
+            n = getattr(models[ns.model].dims, "num_hidden_layers", 0)
+            replays += (n if isinstance(n, int) else 0) * len(spec.placement(ns.device))
+    if replays > MAX_LAYER_REPLAYS:
+        problems.append(Problem(f"the graph's nodes run {replays:,} decoder layers per step, over the bound of "
+                                f"{MAX_LAYER_REPLAYS:,} that check replays in seconds", spec.loc("nodes"),
+                                hint="a training graph runs each model's layers a few times per step; is it generated?"))
+    if len(spec.nodes) > MAX_NODES:
+        problems.append(Problem(f"the graph has {len(spec.nodes):,} nodes, over the bound of {MAX_NODES:,}",
+                                spec.loc("nodes"), hint="a training graph has tens of nodes; is it generated?"))
     if problems:
         raise GraphError(problems)
     ctx = GraphContext(spec, env, models)
@@ -166,6 +212,38 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
     return graph, ctx
 
 
+def _check_model_links(spec: GraphSpec, models: Mapping[str, ModelInfo]) -> list[Problem]:
+    """What one model says about another: `shares` name a component the other model's arch has, and a drafter's
+    `target_layer_ids` are layers the model it reads from has (that model: the one it shares components with, or
+    the only other model with layers)."""
+    problems = []
+    for name, info in models.items():
+        for comp, target in info.spec.shares.items():
+            other, part = target.split(".", 1)
+            if other in models and part not in ARCHS[models[other].spec.arch].components:
+                have = ARCHS[models[other].spec.arch].components
+                problems.append(Problem(f"share '{comp}' = '{target}': model '{other}' (arch "
+                                        f"'{models[other].spec.arch}') has no component '{part}'{did_you_mean(part, have)}",
+                                        spec.loc("models", name, "shares", comp), hint="components: " + ", ".join(have)))
+        ids = getattr(info.dims, "target_layer_ids", None)
+        if not ids:
+            continue
+        sources = {t.split(".", 1)[0] for t in info.spec.shares.values()} & set(models)
+        if not sources:
+            sources = {o for o, i in models.items() if o != name and hasattr(i.dims, "num_hidden_layers")}
+        if len(sources) != 1:
+            continue
+        src = sources.pop()
+        n = getattr(models[src].dims, "num_hidden_layers", None)
+        bad = [i for i in ids if isinstance(n, int) and not 0 <= i < n]
+        if bad:
+            problems.append(Problem(f"target_layer_ids {list(ids)} name layer(s) {bad} that model '{src}' does not have",
+                                    spec.loc("models", name, "config", "target_layer_ids"),
+                                    expected=f"layer ids in 0..{n - 1} (model '{src}' has {n} layers)",
+                                    actual=str(list(ids)), hint="use the layers the hook nodes capture"))
+    return problems
+
+
 def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
     from ..ir.dims import names_in, parse_expr
 
@@ -179,15 +257,35 @@ def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
 
 # -- inference -----------------------------------------------------------------------------------------------
 
-def infer(graph: Graph, ctx: GraphContext) -> Typed:
+# NOTE [Incremental inference]: a node's types and params depend only on the node itself, the types of its
+# inputs and the context, so after a rewrite (`prev` is the graph before it) a node equal to its old self whose
+# inputs have their old types keeps its old result without being inferred again. A rewrite changes a few nodes,
+# so re-inference costs a comparison per node instead of a contract match per node, and check time grows with
+# the node count instead of with its square (benchmarks/check_scaling.py). The exceptions: a node reading a
+# handle (a forward's taps), whose legality depends on its sibling hook nodes, is always inferred again, and a
+# node cost (node_cache) is handed on only when no output is a handle, whose readers decide the cost.
+
+def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     types: dict[Ref, TensorType] = {}
     params: dict[str, Mapping[str, Any]] = {}
+    node_cache: dict[str, dict] = {}
     problems: list[Problem] = []
     failed: set[str] = set()
+    old = prev.graph if prev is not None and prev.ctx is ctx else None
     for node in graph.nodes:
         if any(r.node in failed for _, r in node.inputs):
             failed.add(node.id)
             continue
+        if old is not None and node.id in old and old[node.id] == node and node.id in prev.params:
+            ins = [(r, types.get(r)) for _, r in node.inputs]
+            if all(t is not None and t == prev.types.get(r) and t.dtype != "handle" for r, t in ins):
+                outs = prev.outputs_of(node.id)
+                params[node.id] = prev.params[node.id]
+                for name, t in outs.items():
+                    types[Ref(node.id, name)] = t
+                if node.id in prev.node_cache and all(t.dtype != "handle" for t in outs.values()):
+                    node_cache[node.id] = prev.node_cache[node.id]
+                continue
         try:
             p, outs = _infer_node(node, graph, ctx, types)
         except _NodeProblem as e:
@@ -199,7 +297,7 @@ def infer(graph: Graph, ctx: GraphContext) -> Typed:
             types[Ref(node.id, name)] = t
     if problems:
         raise GraphError(problems)
-    return Typed(graph, ctx, types, params)
+    return Typed(graph, ctx, types, params, node_cache=node_cache)
 
 
 class _NodeProblem(Exception):
@@ -378,6 +476,17 @@ _KIND_OK = {
 _KIND_OK["layer_ids"] = _KIND_OK["list[int]"]
 
 
+def _param_within(x: float, prm) -> bool:
+    """A number param is finite, at most 2**48 in magnitude, and within its declared bounds."""
+    import math
+
+    if not math.isfinite(x) or abs(x) > MAX_DIM:
+        return False
+    if prm.low is not None and (x < prm.low or (prm.open_low and x == prm.low)):
+        return False
+    return prm.high is None or x <= prm.high
+
+
 def _check_params(node: Node, op: OpDef, ctx: GraphContext, fail) -> dict[str, Any]:
     out: dict[str, Any] = {}
     names = [x.name for x in op.params]
@@ -396,7 +505,13 @@ def _check_params(node: Node, op: OpDef, ctx: GraphContext, fail) -> dict[str, A
         else:
             v = prm.default
         if not _KIND_OK[prm.kind](v):
-            raise fail(f"param '{prm.name}' must be {prm.kind}, got {v!r}", "params", prm.name, hint=prm.doc)
+            raise fail(f"param '{prm.name}' must be {prm.kind}, got {short(v)}", "params", prm.name, hint=prm.doc)
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and not _param_within(x, prm):
+                lo = "" if prm.low is None else f"{prm.low:g} {'<' if prm.open_low else '<='} "
+                hi = "" if prm.high is None else f" <= {prm.high:g}"
+                raise fail(f"param '{prm.name}' = {short(x)} is out of range: {lo}{prm.name}{hi}", "params", prm.name,
+                           hint=prm.doc)
         if prm.choices and v not in prm.choices:
             raise fail(f"param '{prm.name}' = {v!r} is not one of {', '.join(prm.choices)}", "params", prm.name)
         if prm.kind == "dim":

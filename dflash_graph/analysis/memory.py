@@ -146,12 +146,12 @@ def hook_refs(typed: Typed, nid: str) -> dict[int, Ref]:
 
 
 def _cached_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
-    # costs depend on the node and its types, not on the device: compute once per typed graph
-    cache = typed.cache
-    key = ("cost", node.id, grad)
-    if key not in cache:
-        cache[key] = node_cost(typed, node, grad)
-    return cache[key]
+    # costs depend on the node and its types, not on the device: compute once per node, kept across rewrites
+    # that leave the node as it was (infer: NOTE [Incremental inference])
+    cache = typed.node_cache.setdefault(node.id, {})
+    if grad not in cache:
+        cache[grad] = node_cost(typed, node, grad)
+    return cache[grad]
 
 
 def component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
@@ -486,7 +486,7 @@ def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:
     grads = grad_nodes(typed)
     flops: dict[str, int] = {}
     for n in typed.graph.nodes:
-        f = node_cost(typed, n, n.id in grads).flops
+        f = _cached_cost(typed, n, n.id in grads).flops
         for d in typed.ctx.devices_of(n.device):
             flops[d] = flops.get(d, 0) + f
     peaks = {}

@@ -76,7 +76,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, help="optimizer steps (default: train.steps)")
     r.add_argument("--out", default=None, help="output directory for metrics, memory report and checkpoints "
                                                  "(default: runs/<graph name>)")
-    r.add_argument("--resume", metavar="DIR", help="continue from the last checkpoint in DIR")
+    r.add_argument("--resume", metavar="DIR", help="continue from the newest good checkpoint in DIR (and write into "
+                                                   "DIR unless --out says otherwise); refused if the graph differs")
+    r.add_argument("--overwrite", action="store_true", help="replace a run already in --out (default: refuse)")
+    r.add_argument("--allow-change", action="append", default=[], metavar="KEY",
+                   help="on --resume, accept a changed train.lr, train.warmup_steps, train.weight_decay or "
+                        "train.grad_clip (repeatable)")
     r.add_argument("--device-map", action="append", default=[], metavar="FROM=TO",
                    help="remap torch devices, e.g. 'cuda:*=cpu' (repeatable)")
     r.add_argument("--strict", action="store_true", help="check every node's tensors against its contract at run time")

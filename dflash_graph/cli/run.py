@@ -48,6 +48,18 @@ def _mapped_overrides(args) -> list[str]:
 
 
 def cmd_run(args) -> int:
+    from ..errors import GraphError, Location, Problem
+
+    if args.steps is not None and args.steps < 1:
+        raise GraphError(Problem(f"--steps must be a positive number of optimizer steps, got {args.steps}",
+                                 Location(None, None, None, f"--steps {args.steps}"), hint="e.g. --steps 200"))
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise GraphError(Problem("`run` needs torch, which is not installed (check works without it)",
+                                 Location(None, None, None, "run"),
+                                 hint='pip install torch && pip install -e ".[run]"')) from None
+
     from ..exec.distributed import under_torchrun
 
     distributed = under_torchrun()
@@ -71,10 +83,19 @@ def cmd_run(args) -> int:
             return 1
     _allocator_env(plan)
     from ..exec.devices import parse_device_map
+    from ..train import rundir
     from ..train.trainer import RunOptions, Trainer
 
-    out = Path(args.out) if args.out else Path("runs") / spec.name
-    opts = RunOptions(out=out, steps=args.steps, resume=Path(args.resume) if args.resume else None,
+    resume = Path(args.resume) if args.resume else None
+    # --resume DIR continues in DIR; --out names another directory to continue into
+    out = Path(args.out) if args.out else resume if resume is not None else Path("runs") / spec.name
+    if resume is not None:
+        rundir.check_resume(resume, spec, getattr(args, "allow_change", []))
+    elif getattr(args, "allow_change", []):
+        raise GraphError(Problem("--allow-change only applies with --resume", Location(None, None, None, "--allow-change")))
+    if not distributed or os.environ.get("LOCAL_RANK", "0") == "0":   # one process per machine readies the directory
+        rundir.prepare(out, resume, getattr(args, "overwrite", False))
+    opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress, distributed=distributed)
     trainer = Trainer(plan, opts)
@@ -84,7 +105,9 @@ def cmd_run(args) -> int:
         trainer.progress = Progress(trainer.steps, trainer.start_step, bar=not args.no_progress,
                                     log_every=int(trainer.cfg["log_every"]), tensorboard=args.tensorboard)
     if trainer.is_writer:
-        _write_run_record(out, args)
+        out.mkdir(parents=True, exist_ok=True)
+        rundir.record(out, spec, sys.argv, args.overrides,
+                      resumed=resume is not None and resume.resolve() == out.resolve())
     code = trainer.run()
     if code == 0 and trainer.is_writer:
         from ..train.export import export_trainer
@@ -92,12 +115,3 @@ def cmd_run(args) -> int:
         hf = export_trainer(trainer, out / "export")
         print(f"  export (DFlash draft format, bf16; SGLang --speculative-draft-model-path): {hf}")
     return code
-
-
-def _write_run_record(out: Path, args) -> None:
-    """What `eval` and `export` need to rebuild this run's graph: the graph file and the --set overrides."""
-    import json
-
-    out.mkdir(parents=True, exist_ok=True)
-    rec = {"graph": str(Path(args.graph).resolve()), "overrides": list(args.overrides)}
-    (out / "run.json").write_text(json.dumps(rec, indent=2) + "\n")

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 
 import sympy
 
+from ..errors import short as _short
+
 _BINOPS: dict[type, Callable] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
@@ -23,15 +25,35 @@ class DimError(ValueError):
     pass
 
 
+# NOTE [Dim bounds]: `check` must answer every input quickly, so an expression is bounded before it is parsed
+# and every value while it is computed: `9 ** 9 ** 9` or a 3,000-term sum is refused with a message, never
+# computed (Python would take minutes, sympy longer, and the parser itself overflows the stack on deep trees).
+# No real size comes near these: the largest dims of a 27B run are ~2**18 (vocab) and ~2**20 (tokens).
+MAX_DIM = 2**48
+MAX_EXPR_CHARS = 256
+
+
+def _bounded(v: int, what: str) -> int:
+    if abs(v) > MAX_DIM:
+        raise DimError(f"{what} is over the bound of 2**48 = {MAX_DIM:,} for a size")
+    return v
+
+
 def symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, positive=True)
 
 
 def parse_expr(text: str) -> ast.expr:
+    text = str(text).strip()
+    if len(text) > MAX_EXPR_CHARS:
+        raise DimError(f"dim expression of {len(text):,} characters is over the bound of {MAX_EXPR_CHARS}: "
+                       f"{text[:40]!r}...; name its parts as separate dims")
     try:
-        tree = ast.parse(str(text).strip(), mode="eval")
+        tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
         raise DimError(f"cannot parse dim expression {text!r}: {e.msg}") from None
+    except (RecursionError, MemoryError, ValueError) as e:
+        raise DimError(f"cannot parse dim expression {text!r}: {type(e).__name__}") from None
     return tree.body
 
 
@@ -53,7 +75,8 @@ def _is_attr_base(root: ast.expr, name: ast.Name) -> bool:
 def evaluate(node: ast.expr, lookup: Callable[[str], tuple[sympy.Expr, int]]) -> tuple[sympy.Expr, int]:
     """(symbolic, concrete) value of an expression. `lookup(name)` resolves dims and model refs."""
     if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-        return sympy.Integer(node.value), node.value
+        v = _bounded(node.value, f"the number {node.value}" if node.value < 10**30 else "a number")
+        return sympy.Integer(v), v
     if isinstance(node, ast.Name):
         return lookup(node.id)
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
@@ -61,13 +84,21 @@ def evaluate(node: ast.expr, lookup: Callable[[str], tuple[sympy.Expr, int]]) ->
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
         (ls, lv), (rs, rv) = evaluate(node.left, lookup), evaluate(node.right, lookup)
         op = _BINOPS[type(node.op)]
+        text = ast.unparse(node)
+        if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and rv == 0:
+            side = ast.unparse(node.right)
+            raise DimError(f"division by zero in dim expression: in {text!r}, {side!r} is 0")
         if isinstance(node.op, ast.FloorDiv):
-            if rv == 0:
-                raise DimError("division by zero in dim expression")
-            return sympy.floor(ls / rs), lv // rv
+            return sympy.floor(ls / rs), _bounded(lv // rv, repr(text))
         if isinstance(node.op, ast.Mod):
             return sympy.Mod(ls, rs), lv % rv
-        return op(ls, rs), op(lv, rv)
+        if isinstance(node.op, ast.Pow):
+            if rv < 0:
+                raise DimError(f"negative exponent in dim expression {text!r}: sizes are integers")
+            # the size of lv ** rv is known from bit lengths before it is computed
+            if abs(lv) > 1 and (abs(lv).bit_length() - 1) * rv > MAX_DIM.bit_length():
+                raise DimError(f"{text!r} is over the bound of 2**48 = {MAX_DIM:,} for a size")
+        return op(ls, rs), _bounded(op(lv, rv), repr(text))
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max") and node.args:
         vals = [evaluate(a, lookup) for a in node.args]
         f = sympy.Min if node.func.id == "min" else sympy.Max
@@ -110,14 +141,15 @@ class DimEnv:
         try:
             raw = self._raw[name]
             if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-                raise DimError(f"dim '{name}' must be an integer or an expression string, got {raw!r}")
+                raise DimError(f"dim '{name}' must be an integer or an expression string, got {_short(raw)}")
             if isinstance(raw, int):
-                expr, val = sympy.Integer(raw), raw
+                expr, val = sympy.Integer(raw), _bounded(raw, f"dim '{name}'")
             else:
                 expr, val = evaluate(parse_expr(raw), self._lookup)
             if val <= 0:
                 raise DimError(f"dim '{name}' must be positive, got {val}"
                                + (f" (from {raw!r})" if isinstance(raw, str) else ""))
+            _bounded(val, f"dim '{name}' = {val}")
             self._done[name] = (expr, val)
             return val
         finally:
@@ -140,7 +172,8 @@ class DimEnv:
         if isinstance(v, str):
             return self.eval_text(v)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise DimError(f"'{model}.{key}' is {v!r}, not an integer size")
+            raise DimError(f"'{model}.{key}' is {_short(v)}, not an integer size")
+        _bounded(v, f"'{model}.{key}'")
         return sympy.Integer(v), v
 
     def _lookup(self, name: str) -> tuple[sympy.Expr, int]:
@@ -152,7 +185,7 @@ class DimEnv:
 
     def eval_text(self, text: str | int) -> tuple[sympy.Expr, int]:
         if isinstance(text, int) and not isinstance(text, bool):
-            return sympy.Integer(text), text
+            return sympy.Integer(text), _bounded(text, f"the size {_short(text)}")
         return evaluate(parse_expr(str(text)), self._lookup)
 
     def bindings(self) -> dict[str, int]:
@@ -163,3 +196,4 @@ class DimEnv:
             return "dims: " + " ".join(f"{k}={v}" for k, v in self.bindings().items())
         except DimError:
             return ""
+

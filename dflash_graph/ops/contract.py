@@ -43,6 +43,9 @@ class Param:
     default: Any = None
     required: bool = False
     choices: tuple[str, ...] = ()
+    low: float | None = None     # bounds of a number param, checked by infer (open_low: low itself refused)
+    high: float | None = None
+    open_low: bool = False
 
 
 @attrs.frozen

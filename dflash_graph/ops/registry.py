@@ -18,8 +18,11 @@ def register(op: OpDef) -> OpDef:
 
 
 def get(name: str) -> OpDef | None:
-    _load()
-    return OPS.get(name)
+    op = OPS.get(name)
+    if op is None:
+        _load()
+        op = OPS.get(name)
+    return op
 
 
 def all_ops() -> dict[str, OpDef]:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from ..errors import GraphError
+from ..errors import GraphError, Problem
 from ..ir.graph import Graph, Node, Ref
 from ..analysis.infer import Typed, infer
 
@@ -53,13 +53,27 @@ class ContractBroken(RuntimeError):
     pass
 
 
+# NOTE [Rewrite bound]: each candidate rewrite is re-inferred incrementally (NOTE [Incremental inference] in
+# analysis/infer.py) but priced by the memory model over the whole device (analysis/memory.live_peaks), and the
+# number of rewrites grows with the node count, so rewriting costs about the square of the node count: 0.5 CPU s at
+# 50 nodes, 1.2 s at 100, 3.5 s at 150 (benchmarks/check_scaling.py). Training graphs have 10 to 40 nodes; a larger
+# graph is refused with this bound named, and checks as written (--no-rewrite: linear, ~1 s at 1,000 nodes).
+MAX_REWRITE_NODES = 100
+
 Tables = Sequence[tuple[str, Sequence[Rule]]]
 Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed -> (peak per device, flops per device)
 
 
-def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int = 500,
+def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = None,
             verify: bool = False) -> tuple[Typed, list[Applied]]:
     applied: list[Applied] = []
+    if len(typed.graph) > MAX_REWRITE_NODES:
+        raise GraphError(Problem(f"the graph has {len(typed.graph):,} nodes, over the bound of {MAX_REWRITE_NODES} "
+                                 "for rewriting (its time grows with the square of the node count)",
+                                 typed.ctx.spec.loc("nodes"),
+                                 hint="check or run it as written with --no-rewrite (linear in the node count)"))
+    if max_steps is None:   # a rule applies a bounded number of times per node: the guard grows with the graph
+        max_steps = 500 + 10 * len(typed.graph)
     peaks, flops = costs(typed)
     steps = 0
     # NOTE [Fixpoint over all passes]: a later pass can enable an earlier one (merge_duplicates in `cleanup`
@@ -84,7 +98,7 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int = 500,
                             continue
                         graph = typed.graph.replace(rep.remove, rep.add, rep.redirect)
                         try:
-                            new = infer(graph, typed.ctx)
+                            new = infer(graph, typed.ctx, prev=typed)   # NOTE [Incremental inference]
                         except GraphError as e:
                             raise ContractBroken(f"rule {rule.name} at '{node.id}' produced an ill-typed graph:\n{e}") from e
                         _check_outputs_kept(typed, new, rule)

@@ -79,10 +79,13 @@ class GraphSpec:
     lines: LineIndex = attrs.field(eq=False, repr=False)
     description: str = ""
     launch: LaunchSpec = LaunchSpec()
+    # the whole document as loaded, --set applied and config.json files read in: what a run records, and what a
+    # resume compares against (train/rundir.py)
+    resolved: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     def loc(self, *path: str | int) -> Location:
         p: Path = tuple(path)
-        return Location(self.file, self.lines.line_of(p), render_path(p) if p else None)
+        return Location(self.file, self.lines.line_of(p), render_path(p) if p else None, self.lines.flag_of(p))
 
     def node_loc(self, node: NodeSpec, *sub: str | int) -> Location:
         return self.loc("nodes", node.index, *sub)

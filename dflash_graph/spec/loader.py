@@ -4,27 +4,43 @@ error carries the file, the line and the TOML path."""
 from __future__ import annotations
 
 import json
+import math
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path as FsPath
 from typing import Any
 
-from ..errors import GraphError, Location, Problem, did_you_mean
+from ..errors import GraphError, Location, Problem, did_you_mean, short
 from ..units import canonical_dtype, parse_bytes, parse_rate
 from . import schema
 from .document import DeviceSpec, GraphSpec, LaunchSpec, MemorySpec, ModelSpec, NodeSpec, frozen_map
 from .toml_lines import LineIndex, Path, render_path
 
 
+# NOTE [Input bounds]: `check` answers every input in about a second, so what it reads is bounded, each bound
+# refused with a message naming it: a graph file of at most 16 MiB (the 27B graph is 12 KiB), values nested at
+# most 32 deep (graphs nest 5 deep; a model config.json 3), numbers at most 2**63 in magnitude and finite.
+MAX_FILE_BYTES = 16 * 2**20
+MAX_DEPTH = 32
+MAX_INT = 2**63
+
+
 def load_graph(path: str | FsPath, overrides: Sequence[str] = ()) -> GraphSpec:
     """Read and validate a graph file. `overrides` are `dotted.path=value` strings (the CLI's --set)."""
-    p = FsPath(path)
     fname = str(path)
+    if "\x00" in fname:
+        raise GraphError(Problem(f"the path {fname!r} contains a NUL byte", Location(fname.replace("\x00", "\\0")),
+                                 hint="check the path; graphs ship in graphs/"))
+    p = FsPath(path)
     if not p.exists():
         raise GraphError(Problem(f"no such file: {fname}", Location(fname), hint="check the path; graphs ship in graphs/"))
     if p.is_dir():
         raise GraphError(Problem(f"{fname} is a directory, not a graph file", Location(fname),
                                  hint=f"pass a .toml file, e.g. {fname.rstrip('/')}/tiny.toml"))
+    if p.stat().st_size > MAX_FILE_BYTES:
+        raise GraphError(Problem(f"the file is {p.stat().st_size:,} bytes, over the bound of {MAX_FILE_BYTES:,} "
+                                 "(16 MiB) for a graph", Location(fname), hint="is this a graph file?"))
     data = p.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -41,17 +57,30 @@ def parse_graph(text: str, file: str | None = None, base_dir: FsPath | None = No
     if not text.strip():
         raise GraphError(Problem("the file is empty", Location(file),
                                  hint="a graph needs [dims], [devices.<name>] and [[nodes]]; see graphs/tiny.toml"))
+    if len(text) > MAX_FILE_BYTES:
+        raise GraphError(Problem(f"the text is {len(text):,} characters, over the bound of {MAX_FILE_BYTES:,} for a "
+                                 "graph", Location(file)))
+    lines = LineIndex(text)      # linear in the text, on any text; measures the nesting before tomllib recurses
+    if lines.max_depth > MAX_DEPTH:
+        raise GraphError(Problem(f"values nest {lines.max_depth} deep, over the bound of {MAX_DEPTH}",
+                                 Location(file, lines.deepest_line), hint="a graph nests tables and arrays a few "
+                                 "levels deep; see graphs/tiny.toml"))
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        import re
-
         msg = getattr(e, "msg", str(e))
         m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
         line = getattr(e, "lineno", None) or (int(m.group(1)) if m else None)
         raise GraphError(Problem(f"TOML syntax error: {msg}", Location(file, line),
                                  hint="see https://toml.io for the syntax")) from None
-    lines = LineIndex(text)
+    except ValueError as e:   # int() refuses more than 4,300 digits (sys.get_int_max_str_digits)
+        m = re.search(r"[0-9_]{4000,}", text)
+        line = text.count("\n", 0, m.start()) + 1 if m else None
+        raise GraphError(Problem(f"a number too long to read ({e.__class__.__name__}: {str(e).split(';')[0]})",
+                                 Location(file, line), hint=f"numbers in a graph are at most 2**63 in magnitude")) from None
+    except RecursionError:
+        raise GraphError(Problem(f"values nest too deeply to read (the bound is {MAX_DEPTH})", Location(file),
+                                 hint="a graph nests tables and arrays a few levels deep")) from None
     return _Builder(raw, file, lines, base_dir or FsPath(".")).build(overrides)
 
 
@@ -61,7 +90,7 @@ class _Builder:
         self.problems: list[Problem] = []
 
     def loc(self, path: Path) -> Location:
-        return Location(self.file, self.lines.line_of(path), render_path(path))
+        return Location(self.file, self.lines.line_of(path), render_path(path), self.lines.flag_of(path))
 
     def err(self, path: Path, msg: str, **kw) -> None:
         self.problems.append(Problem(msg, self.loc(path), **kw))
@@ -99,25 +128,38 @@ class _Builder:
             "list": isinstance(v, list), "list[float]": isinstance(v, list), "list[str]": isinstance(v, list),
             "str|table": isinstance(v, (str, dict)), "list|table": isinstance(v, (list, dict)), "any": True,
         }.get(kind, True)
+        if ok and kind == "list[float]":
+            ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            if ok and key.default is not None and len(v) != len(key.default):
+                self.err(path, f"'{key.name}' must have {len(key.default)} numbers, got {len(v)}", hint=key.doc)
+                return key.default
         if not ok:
-            self.err(path, f"'{key.name}' must be {kind}, got {type(v).__name__} {v!r}", hint=key.doc)
+            self.err(path, f"'{key.name}' must be {kind}, got {type(v).__name__} {short(v)}", hint=key.doc)
             return key.default
         if key.choices and v not in key.choices:
-            self.err(path, f"'{key.name}' = {v!r} is not one of: {', '.join(key.choices)}{did_you_mean(str(v), key.choices)}")
+            self.err(path, f"'{key.name}' = {short(v)} is not one of: {', '.join(key.choices)}"
+                     f"{did_you_mean(str(v)[:100], key.choices)}")
             return key.default
         if kind == "size" and v is not None:
             try:
-                return parse_bytes(v)
+                v = parse_bytes(v)
             except ValueError as e:
                 self.err(path, str(e))
                 return 0
+        for x in (v if kind == "list[float]" else [v]):
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and not _within(x, key):
+                self.err(path, f"'{key.name}' = {short(x)} is out of range: {key.bounds_text()}", hint=key.doc)
+                return key.default
         return v
 
     # -- sections ---------------------------------------------------------------------------------
     def build(self, overrides: Sequence[str]) -> GraphSpec:
         raw = self.raw
         self.load_model_configs()
+        self.fail_if_any()
         apply_overrides(raw, overrides, self)
+        self.fail_if_any()
+        self.check_values(raw)
         self.fail_if_any()
         top = self.check_keys(raw, schema.TOP, ())
         self.fail_if_any()
@@ -133,7 +175,9 @@ class _Builder:
         data = self.check_keys(raw["data"], schema.DATA, ("data",)) if "data" in raw else {}
         self.fail_if_any()
         del top
-        return GraphSpec(
+        import copy
+
+        return GraphSpec(resolved=copy.deepcopy(raw),
             file=self.file, name=graph["name"] or (FsPath(self.file).stem if self.file else "graph"),
             description=graph["description"] or "", dims=frozen_map(dims), devices=frozen_map(devices),
             groups=frozen_map(groups), models=frozen_map(models), nodes=tuple(nodes),
@@ -160,18 +204,58 @@ class _Builder:
             return
         for name, m in models.items():
             if isinstance(m, dict) and isinstance(m.get("config"), str):
+                path = ("models", name, "config")
+                if "\x00" in m["config"]:
+                    self.err(path, f"the config path {short(m['config'])} contains a NUL byte")
+                    continue
                 f = self.base / m["config"]
                 try:
+                    if f.is_file() and f.stat().st_size > MAX_FILE_BYTES:
+                        self.err(path, f"config file {f} is over the bound of 16 MiB for a model config")
+                        continue
                     cfg = json.loads(f.read_text())
                 except FileNotFoundError:
-                    self.err(("models", name, "config"), f"config file not found: {f}",
-                             hint="paths are relative to the graph file")
+                    self.err(path, f"config file not found: {f}", hint="paths are relative to the graph file")
                     continue
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    self.err(("models", name, "config"), f"config file {f} is not valid JSON: {e}")
+                    self.err(path, f"config file {f} is not valid JSON: {e}")
+                    continue
+                except RecursionError:
+                    self.err(path, f"config file {f} nests too deeply to read (the bound is {MAX_DEPTH})")
+                    continue
+                except ValueError as e:   # a number over 4,300 digits
+                    self.err(path, f"config file {f} has a number too long to read ({str(e).split(';')[0]})")
+                    continue
+                except OSError as e:
+                    self.err(path, f"cannot read config file {f}: {e.strerror or e}")
+                    continue
+                if not isinstance(cfg, dict):
+                    self.err(path, f"config file {f} holds a JSON {type(cfg).__name__}, not an object of config keys")
                     continue
                 m["config"] = cfg
                 m["_config_file"] = str(m.get("_config_file") or f)
+
+    def check_values(self, raw: dict) -> None:
+        """Every value of the document (config.json files included): nested at most MAX_DEPTH deep, numbers finite
+        and at most 2**63 in magnitude, no NUL in a string. Iterative, so any depth is measured, not recursed."""
+        todo: list[tuple[Path, Any]] = [((), raw)]
+        while todo:
+            path, v = todo.pop()
+            if len(path) > MAX_DEPTH:
+                self.err(path[:3], f"values nest more than {MAX_DEPTH} deep (at {render_path(path[:6])}...)",
+                         hint="a graph and a model config nest a few levels deep")
+                return
+            if isinstance(v, dict):
+                todo.extend(((*path, k), x) for k, x in v.items())
+            elif isinstance(v, list):
+                todo.extend(((*path, i), x) for i, x in enumerate(v))
+            elif isinstance(v, float) and not math.isfinite(v):
+                self.err(path, f"{render_path(path)} = {v}: a graph's numbers must be finite",
+                         hint="write the number itself (nan and inf are never a size, a rate or a factor)")
+            elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT:
+                self.err(path, f"{render_path(path)} = {short(v)} is over the bound of 2**63 for a number")
+            elif isinstance(v, str) and "\x00" in v:
+                self.err(path, f"{render_path(path)} contains a NUL byte", hint="remove the \\u0000 escape")
 
     def build_dims(self, dims: Any) -> dict:
         if not isinstance(dims, dict):
@@ -179,7 +263,7 @@ class _Builder:
             return {}
         for k, v in dims.items():
             if isinstance(v, bool) or not isinstance(v, (int, str)):
-                self.err(("dims", k), f"dim '{k}' must be a positive integer or an expression string, got {v!r}")
+                self.err(("dims", k), f"dim '{k}' must be a positive integer or an expression string, got {short(v)}")
             elif isinstance(v, int) and v <= 0:
                 self.err(("dims", k), f"dim '{k}' must be positive, got {v}", hint=f"set {k} to a positive integer")
         return dims
@@ -193,7 +277,7 @@ class _Builder:
         for name, d in devs.items():
             v = self.check_keys(d, schema.DEVICE, ("devices", name))
             if v.get("torch") is not None and not _valid_torch_device(v["torch"]):
-                self.err(("devices", name, "torch"), f"'{v['torch']}' is not a torch device",
+                self.err(("devices", name, "torch"), f"{short(v['torch'])} is not a torch device",
                          hint="use 'cpu', 'cuda', 'cuda:N' or 'meta'")
             rank, rate = v.get("rank"), None
             if rank is not None and rank < 0:
@@ -253,10 +337,16 @@ class _Builder:
             except ValueError as e:
                 self.err(("models", name, "dtype"), str(e))
                 continue
-            shares = v["shares"] or {}
-            for comp, target in shares.items():
+            shares = dict(v["shares"] or {})
+            for comp, target in list(shares.items()):
                 if not isinstance(target, str) or target.count(".") != 1:
-                    self.err(("models", name, "shares", comp), f"share '{comp}' must be \"model.component\", got {target!r}")
+                    self.err(("models", name, "shares", comp), f"share '{comp}' must be \"model.component\", got "
+                             f"{short(target)}", hint='e.g. shares = { embed = "target.embed" }')
+                    del shares[comp]
+                elif target.split(".")[0] == name:
+                    self.err(("models", name, "shares", comp), f"share '{comp}' = {target!r} refers to model "
+                             f"'{name}' itself", hint="a model shares components of another model, e.g. \"target.embed\"")
+                    del shares[comp]
             fwd = {k: v.get(k) for k in ("attn_implementation", "packing", "linear_kernels") if v.get(k) is not None}
             out[name] = ModelSpec(name, v["arch"], frozen_map(v["config"]), dtype, bool(v["trainable"]), v["weights"],
                                   frozen_map(shares), cfg_file, frozen_map(fwd))
@@ -301,8 +391,15 @@ class _Builder:
 
 
 def _valid_torch_device(s: str) -> bool:
-    head, _, idx = s.partition(":")
-    return head in ("cpu", "cuda", "meta", "mps", "xpu") and (idx == "" or idx.isdigit())
+    return re.fullmatch(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,4})?", s, flags=re.ASCII) is not None
+
+
+def _within(x: float, key: schema.Key) -> bool:
+    if isinstance(x, float) and not math.isfinite(x):
+        return False
+    if key.low is not None and (x < key.low or (key.open_low and x == key.low)):
+        return False
+    return key.high is None or (x < key.high or (not key.open_high and x == key.high))
 
 
 def _parse_scalar(text: str) -> Any:
@@ -312,35 +409,101 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def apply_overrides(raw: dict, overrides: Sequence[str], b: _Builder | None = None) -> None:
-    """`dims.seq=4096`, `models.target.config.hidden_size=64`, `nodes.<id>.params.k=3`, `memory.expandable_segments=true`."""
+def _section_at(path: Path) -> schema.Section | None:
+    """The declared section a table path is an instance of (None for free-form tables: dims, groups, a model's
+    config, a node's params and inputs)."""
+    shape = tuple("<int>" if isinstance(x, int) else x for x in path)
+    if shape == ():
+        return schema.TOP
+    if len(shape) == 1:
+        return {"graph": schema.GRAPH, "memory": schema.MEMORY, "launch": schema.LAUNCH, "train": schema.TRAIN, "data": schema.DATA}.get(shape[0])
+    if len(shape) == 2 and shape[0] == "devices":
+        return schema.DEVICE
+    if len(shape) == 2 and shape[0] == "models":
+        return schema.MODEL
+    if len(shape) == 2 and shape[0] == "nodes":
+        return schema.NODE
+    return None
+
+
+# tables whose keys a --set may add: a declared key of a declared section, a node's param or input (infer checks
+# them against the op's declaration), a key of a model's config (infer checks it against the arch's keys)
+_OPEN_FOR_SET = (("models", "*", "config"), ("nodes", "*", "params"), ("nodes", "*", "inputs"))
+
+
+def apply_overrides(raw: dict, overrides: Sequence[str], b: _Builder | None = None) -> dict[Path, str]:
+    """`dims.seq=4096`, `models.target.config.hidden_size=64`, `nodes.<id>.params.k=3`, `memory.expandable_segments=true`.
+
+    A --set path must name a key that exists, or one a declared section allows (`train.lr` when [train] is not
+    written); a typo gets a did-you-mean, and the flag is recorded as where the value was written, so that any
+    later error about it names the flag. Returns the TOML paths set, each with its flag."""
+    set_by: dict[Path, str] = {}
     for ov in overrides:
         key, sep, val = ov.partition("=")
-        loc = Location(b.file if b else None, None, f"--set {ov}")
+        flag = f"--set {ov if len(ov) <= 120 else ov[:100] + f'... ({len(ov):,} characters)'}"
+        loc = Location(b.file if b else None, None, None, flag)
+
+        def fail(msg: str, hint: str | None = None):
+            raise GraphError(Problem(msg, loc, hint=hint))
+
+        if "\x00" in ov:
+            fail("the value contains a NUL byte")
         if not sep or not key.strip():
-            raise GraphError(Problem(f"--set expects KEY=VALUE, got {ov!r}", loc, hint="e.g. --set dims.seq=4096"))
-        parts = key.strip().split(".")
+            fail(f"--set expects KEY=VALUE, got {short(ov)}", hint="e.g. --set dims.seq=4096")
+        parts = [x.strip() for x in key.strip().split(".")]
+        if any(not x for x in parts):
+            fail(f"'{key.strip()}' has an empty part: a key is dotted names, e.g. dims.seq",
+                 hint="e.g. --set dims.seq=4096 or --set nodes.loss.params.gamma=4")
+        if len(parts) > MAX_DEPTH:
+            fail(f"'{short(key, 40)}' is more than {MAX_DEPTH} keys deep")
         cur: Any = raw
-        for i, part in enumerate(parts[:-1]):
-            if isinstance(cur, list):
-                match = [n for n in cur if isinstance(n, dict) and n.get("id") == part]
-                if not match:
-                    ids = [n.get("id") for n in cur if isinstance(n, dict)]
-                    raise GraphError(Problem(f"--set {key}: no node with id '{part}'{did_you_mean(part, ids)}", loc))
-                cur = match[0]
+        path: Path = ()
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(cur, list):   # [[nodes]] by id
+                ids = [n.get("id") for n in cur if isinstance(n, dict)]
+                idx = next((j for j, n in enumerate(cur) if isinstance(n, dict) and n.get("id") == part), None)
+                if idx is None:
+                    fail(f"no node with id '{part}'{did_you_mean(part, [x for x in ids if isinstance(x, str)])}",
+                         hint="nodes are named by id: --set nodes.<id>.params.<param>=VALUE")
+                if last:
+                    fail(f"'{key.strip()}' names a whole node; set one of its keys",
+                         hint="e.g. --set nodes." + part + ".device=gpu0")
+                cur, path = cur[idx], (*path, idx)
                 continue
             if not isinstance(cur, dict):
-                raise GraphError(Problem(f"--set {key}: '{'.'.join(parts[:i])}' is not a table", loc))
+                fail(f"'{'.'.join(parts[:i])}' is a value, not a table: it has no key '{part}'")
             if part not in cur:
-                if i == 0 and part not in schema.TOP.key_names:
-                    raise GraphError(Problem(f"--set {key}: unknown section '{part}'{did_you_mean(part, schema.TOP.key_names)}",
-                                             loc, hint="sections: " + ", ".join(schema.TOP.key_names)))
-                cur[part] = {}
-            cur = cur[part]
-        if not isinstance(cur, dict):
-            raise GraphError(Problem(f"--set {key}: '{'.'.join(parts[:-1])}' is not a table", loc))
-        old = cur.get(parts[-1])
+                sec = _section_at(path)
+                allowed = sec is not None and sec.key(part) is not None and not sec.open
+                allowed = allowed or any(len(pat) == len(path) and all(a in ("*", x) for a, x in zip(pat, path))
+                                         for pat in _OPEN_FOR_SET)
+                if not allowed:
+                    where = render_path(path) or "the top level"
+                    have = [str(k) for k in cur] + ([k for k in sec.key_names if k not in cur] if sec else [])
+                    fail(f"'{key.strip()}': {where} has no key '{part}'{did_you_mean(part, have)}",
+                         hint=("keys: " + ", ".join(have[:40])) if have else None)
+                if not last:
+                    cur[part] = {}
+            if last:
+                break
+            cur, path = cur[part], (*path, part)
+        old = cur.get(parts[-1]) if isinstance(cur, dict) else None
         if isinstance(old, (dict, list)):
-            raise GraphError(Problem(f"--set {key}: only scalars can be set, '{key}' is a "
-                                     f"{'table' if isinstance(old, dict) else 'list'}", loc))
-        cur[parts[-1]] = _parse_scalar(val.strip())
+            fail(f"only scalars can be set, '{key.strip()}' is a {'table' if isinstance(old, dict) else 'list'}",
+                 hint=f"set its keys one by one, e.g. --set {key.strip()}.<key>=VALUE" if isinstance(old, dict) else None)
+        if len(val) > 100_000:
+            fail(f"the value is {len(val):,} characters, over the bound of 100,000 for a --set value")
+        try:
+            value = _parse_scalar(val.strip())
+        except ValueError as e:   # a number over 4,300 digits
+            fail(f"cannot read the value: {str(e).split(';')[0]}")
+        except RecursionError:
+            fail(f"cannot read the value: it nests too deeply (a --set value is a scalar)")
+        if isinstance(value, (dict, list)):
+            fail("only scalars can be set (a number, a string, true or false)")
+        cur[parts[-1]] = value
+        set_by[(*path, parts[-1])] = flag
+    if b is not None:
+        b.lines.set_by.update(set_by)
+    return set_by

@@ -14,6 +14,20 @@ class Key:
     required: bool = False
     default: object = None
     choices: tuple[str, ...] = ()
+    # bounds of a number (of each element of a list of numbers; of a size in bytes), checked by the loader
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False       # low itself is not allowed (lr > 0)
+    open_high: bool = False
+
+    def bounds_text(self) -> str:
+        lo = "" if self.low is None else f"{_num(self.low)} {'<' if self.open_low else '<='} "
+        hi = "" if self.high is None else f" {'<' if self.open_high else '<='} {_num(self.high)}"
+        return f"{lo}{self.name}{hi}" if lo or hi else ""
+
+
+def _num(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
 
 
 @attrs.frozen
@@ -68,7 +82,8 @@ GROUPS = Section("groups", "Device groups for replicated nodes: `targets = [\"gp
 
 MEMORY = Section("memory", "How memory is predicted.", (
     Key("expandable_segments", "bool", "Simulate PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.", default=False),
-    Key("max_split_size", "size", "Simulate PYTORCH_CUDA_ALLOC_CONF max_split_size_mb.", default=None),
+    Key("max_split_size", "size", "Simulate PYTORCH_CUDA_ALLOC_CONF max_split_size_mb; at least 20 MiB, as PyTorch "
+        "requires (AllocatorConfig.cpp, parseMaxSplitSize).", default=None, low=20 * 2**20),
 ))
 
 MODEL = Section("models.<name>", "A model whose weights nodes use.", (
@@ -105,21 +120,27 @@ NODE = Section("nodes[]", "One node of the graph (an array of tables: `[[nodes]]
 ))
 
 TRAIN = Section("train", "Training settings for `dflash-graph run`.", (
-    Key("steps", "int", "Optimizer steps.", default=100),
-    Key("lr", "float", "Peak learning rate (AdamW).", default=3e-4),
-    Key("warmup_steps", "int", "Linear warmup steps.", default=10),
-    Key("weight_decay", "float", "AdamW weight decay.", default=0.0),
-    Key("betas", "list[float]", "AdamW betas.", default=[0.9, 0.95]),
-    Key("grad_clip", "float", "Clip the global gradient norm to this value.", default=1.0),
-    Key("grad_accum", "int", "Micro-batches per optimizer step.", default=1),
-    Key("seed", "int", "Seed for initialisation, data order and anchor sampling.", default=0),
-    Key("log_every", "int", "Steps between progress lines.", default=1),
-    Key("checkpoint_every", "int", "Steps between checkpoints (0: only at the end).", default=0),
+    Key("steps", "int", "Optimizer steps (at least 1).", default=100, low=1, high=10**9),
+    Key("lr", "float", "Peak learning rate (AdamW), above 0 and at most 1.", default=3e-4, low=0, open_low=True, high=1),
+    Key("warmup_steps", "int", "Linear warmup steps.", default=10, low=0, high=10**9),
+    Key("weight_decay", "float", "AdamW weight decay.", default=0.0, low=0, high=10),
+    Key("betas", "list[float]", "AdamW betas: two numbers in [0, 1).", default=[0.9, 0.95], low=0, high=1,
+        open_high=True),
+    Key("grad_clip", "float", "Clip the global gradient norm to this value (above 0).", default=1.0, low=0,
+        open_low=True, high=1e9),
+    Key("grad_accum", "int", "Micro-batches per optimizer step.", default=1, low=1, high=10**4),
+    Key("seed", "int", "Seed for initialisation, data order and anchor sampling.", default=0, low=0, high=2**63 - 1),
+    Key("log_every", "int", "Steps between progress lines.", default=1, low=1, high=10**9),
+    Key("checkpoint_every", "int", "Steps between checkpoints (0: only at the end of the run).", default=50, low=0,
+        high=10**9),
+    Key("keep_checkpoints", "int", "How many of the latest checkpoints a run keeps (older ones are deleted).",
+        default=3, low=1, high=1000),
     Key("eval_every", "int", "Steps between evaluations on the held-out split ([data] holdout), and one at the end "
-        "(0: none).", default=0),
-    Key("eval_batches", "int", "Packed sequences of the held-out split per evaluation (per replica).", default=4),
+        "(0: none).", default=0, low=0, high=10**9),
+    Key("eval_batches", "int", "Packed sequences of the held-out split per evaluation (per replica).", default=4,
+        low=1, high=10**6),
     Key("threads", "int", "torch CPU threads (0: one per replica's share of the cores; torch's default oversubscribes "
-        "a loaded machine).", default=0),
+        "a loaded machine).", default=0, low=0, high=4096),
 ))
 
 DATA = Section("data", "Training data for `dflash-graph run` (formats and errors: docs/drafter.md, \"Data\").", (

@@ -1,59 +1,229 @@
-"""Checkpoints: drafter weights in safetensors, optimizer + scheduler + RNG + data position in a torch file, a
-small JSON manifest. Written to a temporary directory and renamed into place, so a crash mid-write never leaves
-a half checkpoint where --resume would read it."""
+"""Checkpoints that survive a crash: drafter weights in safetensors, optimizer + scheduler + RNG + fp32 masters in a
+torch file read with `weights_only=True` (tensors and plain containers only: a checkpoint directory cannot run
+code), the step and data position in state.json, and a manifest with each file's size and SHA-256.
+
+Layout of a run directory:
+
+    checkpoints/step-00000050/   one directory per saved step; the last `keep` are kept
+    checkpoint -> checkpoints/step-00000100   the newest, a symlink (what messages and tools name)
+
+NOTE [Atomic checkpoints]: a step is written into `checkpoints/.tmp-step-N-PID`, every file fsynced, the manifest
+last, then renamed to `step-N` (an atomic rename on one filesystem) and the directory fsynced; only then is the
+`checkpoint` link replaced (os.replace of a fresh link, also atomic) and older steps pruned. At every instant the
+newest complete step is on disk under its final name, so a SIGKILL anywhere leaves a good checkpoint, and a
+leftover temporary is deleted by the next save. `load` does not trust the link: it verifies steps newest first
+against their manifests and falls back to the newest one that verifies, naming each one it skipped.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+FORMAT = "dflash-graph checkpoint 2"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def _fsync_file(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(p: Path) -> None:
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def clean_temporaries(dirpath: Path) -> list[Path]:
+    """Delete what an interrupted save left behind: `checkpoints/.tmp-*` and the older format's
+    `.checkpoint.tmp*` (never `.checkpoint.old`, which may be an older run's only complete checkpoint)."""
+    removed = []
+    for p in [*(dirpath / "checkpoints").glob(".tmp-*"), *dirpath.glob(".checkpoint.tmp*"), *dirpath.glob(".checkpoint.lnk*")]:
+        if p.is_symlink() or p.is_file():
+            p.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
 
 def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimizer, scheduler,
-         data_state: dict, generator: torch.Generator, extra: dict[str, Any], masters=()) -> Path:
-    final = dirpath / "checkpoint"
-    tmp = dirpath / f".checkpoint.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+         data_state: dict, generator: torch.Generator, extra: dict[str, Any], masters=(), keep: int = 3) -> Path:
+    root = dirpath / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    clean_temporaries(dirpath)
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    tmp.mkdir()
+    files = []
     for name, m in drafters.items():
         save_file({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, str(tmp / f"{name}.safetensors"),
                   metadata={"step": str(step), "format": "dflash-graph drafter"})
+        files.append(f"{name}.safetensors")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
                 "masters": [m.detach().cpu() for m in masters]}, tmp / "trainer.pt")
+    files.append("trainer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, "data": data_state, **extra}, indent=2))
-    old = dirpath / ".checkpoint.old"
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
-    return final
+    files.append("state.json")
+    for f in files:
+        _fsync_file(tmp / f)
+    manifest = {"format": FORMAT, "step": step,
+                "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files}}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    _fsync_file(tmp / "manifest.json")
+    _fsync_dir(tmp)
+    final = root / f"step-{step:08d}"
+    if final.exists() and verify(final) is None:   # the same step again (a resume that stopped where it began):
+        shutil.rmtree(tmp)                         # keep the complete one on disk rather than swap it non-atomically
+    else:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    _point_latest(dirpath, final)
+    for old in _steps(dirpath)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(root)
+    return dirpath / "checkpoint"
+
+
+def _point_latest(dirpath: Path, final: Path) -> None:
+    link = dirpath / "checkpoint"
+    if link.exists() and not link.is_symlink():   # the older format's directory: keep it as a fallback
+        legacy = dirpath / ".checkpoint.old"
+        if legacy.exists():
+            shutil.rmtree(legacy)
+        link.rename(legacy)
+    tmp = dirpath / f".checkpoint.lnk{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(final.relative_to(dirpath))
+    os.replace(tmp, link)
+    _fsync_dir(dirpath)
+
+
+def _steps(dirpath: Path) -> list[Path]:
+    """Saved steps, newest first."""
+    root = dirpath / "checkpoints"
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ()) if (m := _STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def verify(ck: Path) -> str | None:
+    """None if the checkpoint directory is complete and unmodified, else what is wrong with it."""
+    mpath = ck / "manifest.json"
+    if not mpath.exists():
+        if (ck / "state.json").exists() and (ck / "trainer.pt").exists():
+            return _verify_legacy(ck)
+        return "no manifest.json (an incomplete save)"
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"manifest.json is not valid ({type(e).__name__})"
+    for name, want in files.items():
+        p = ck / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != want.get("bytes"):
+            return f"{name} has {p.stat().st_size:,} bytes, the manifest says {want.get('bytes'):,} (truncated?)"
+        if _sha256(p) != want.get("sha256"):
+            return f"{name} does not match its SHA-256 in the manifest (modified or corrupted)"
+    try:
+        json.loads((ck / "state.json").read_text())["step"]
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return f"state.json is not valid ({type(e).__name__})"
+    return None
+
+
+def _verify_legacy(ck: Path) -> str | None:
+    try:
+        json.loads((ck / "state.json").read_text())["step"]
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        return f"state.json is not valid ({type(e).__name__})"
+    return None
+
+
+def candidates(dirpath: Path) -> list[Path]:
+    """Where a checkpoint may be, newest first: saved steps, then the older format's two directories."""
+    out = _steps(dirpath)
+    for legacy in (dirpath / "checkpoint", dirpath / ".checkpoint.old"):
+        if legacy.is_dir() and not legacy.is_symlink():
+            out.append(legacy)
+    return out
 
 
 def load(dirpath: Path) -> tuple[dict, Path]:
-    ck = dirpath / "checkpoint"
-    if not (ck / "state.json").exists():
-        from ..errors import GraphError, Location, Problem
+    """The state of the newest checkpoint that verifies, and its directory. A corrupted newer one is named on
+    stderr and skipped; none at all is a GraphError that names each one found and what is wrong with it."""
+    from ..errors import GraphError, Location, Problem
 
+    skipped = []
+    for ck in candidates(dirpath):
+        why = verify(ck)
+        if why is None:
+            for p, w in skipped:
+                print(f"warning: checkpoint {p} is unusable ({w}); resuming from {ck}", file=sys.stderr)
+            return json.loads((ck / "state.json").read_text()), ck
+        skipped.append((ck, why))
+    if not skipped:
         raise GraphError(Problem(f"no checkpoint in {dirpath}", Location(str(dirpath)),
                                  hint="--resume takes the --out directory of an earlier run"))
-    return json.loads((ck / "state.json").read_text()), ck
+    raise GraphError([Problem(f"checkpoint {p} is unusable: {w}", Location(str(p)),
+                              hint="no complete checkpoint is left in this directory; start a new run with --out")
+                      for p, w in skipped])
 
 
 def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler, generator, masters=()) -> None:
+    from ..errors import GraphError, Location, Problem
+
     for name, m in drafters.items():
         state = load_file(str(ck / f"{name}.safetensors"))
-        m.load_state_dict({k: v.to(next(m.parameters()).device) for k, v in state.items()})
-    blob = torch.load(ck / "trainer.pt", weights_only=False)
+        dev = next(m.parameters()).device
+        try:
+            m.load_state_dict({k: v.to(dev) for k, v in state.items()})
+        except RuntimeError as e:   # a different drafter shape than the one saved
+            first = str(e).strip().splitlines()
+            raise GraphError(Problem(f"checkpoint {ck} holds a drafter '{name}' of another shape: "
+                                     f"{' '.join(x.strip() for x in first[1:3])[:300]}", Location(str(ck)),
+                                     hint="resume with the graph the run started with, or start a new run")) from None
+    import pickle
+
+    try:
+        blob = torch.load(ck / "trainer.pt", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise GraphError(Problem(f"checkpoint {ck}/trainer.pt cannot be read as tensors and plain data "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+                                 Location(str(ck / "trainer.pt")),
+                                 hint="checkpoints are loaded with weights_only=True: a file holding other Python "
+                                      "objects is refused, never run")) from None
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     generator.set_state(blob["generator"])

@@ -424,7 +424,8 @@ class Trainer:
     def _save(self, step: int) -> None:
         checkpoint.save(self.opts.out, step, self.store.drafters, self.opt, self.sched,
                         {"batches": step * self.accum}, self.interp.generator,
-                        {"graph": self.plan.typed.ctx.spec.name}, self.masters)
+                        {"graph": self.plan.typed.ctx.spec.name}, self.masters,
+                        keep=int(self.cfg.get("keep_checkpoints") or 3))
 
     def _memory_now(self) -> dict[str, int]:
         tr = self.interp.tracker

@@ -1,0 +1,155 @@
+"""Run directories: what `dflash-graph run --out DIR` may write over, what it records, and what a resume may change.
+
+- A directory that already holds a run (metrics, checkpoints or run.json) is refused unless `--resume` continues
+  it or `--overwrite` replaces it: a rerun never silently overwrites a finished run.
+- `run.json` records the command line, the graph file and `--set` flags, and the resolved graph (the whole
+  document with the flags applied and config.json files read in) of the run, and each resume after it.
+- A resume compares the resolved graph it is given with the one recorded: any difference is refused, naming
+  each path with its old and new value, except the keys in ALWAYS_OK (they change no state a checkpoint holds)
+  and those in WITH_FLAG when `--allow-change KEY` names them (safe to change mid-run, but a different run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import GraphError, Location, Problem, short
+
+RUN_FILE = "run.json"
+# what a run writes into its directory (and --overwrite removes)
+OWNED = ("metrics.jsonl", "memory.json", RUN_FILE, "checkpoint", "checkpoints", ".checkpoint.old")
+ALWAYS_OK = frozenset({"train.steps", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+                       "graph.description"})
+WITH_FLAG = frozenset({"train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip"})
+
+
+def holds_a_run(d: Path) -> bool:
+    return d.is_dir() and any((d / f).exists() or (d / f).is_symlink() for f in OWNED)
+
+
+def prepare(out: Path, resume: Path | None, overwrite: bool) -> None:
+    """Refuse to write over an existing run; with --overwrite, remove what the earlier run wrote."""
+    if out.exists() and not out.is_dir():
+        raise GraphError(Problem(f"--out {out} is a file, not a directory", Location(None, None, None, "--out"),
+                                 hint="name a new directory"))
+    if resume is not None and resume.resolve() == out.resolve():
+        return
+    if not holds_a_run(out):
+        return
+    if not overwrite:
+        raise GraphError(Problem(f"{out} already holds a run ({_summary(out)})", Location(None, None, None, f"--out {out}"),
+                                 hint=f"continue it with --resume {out}, replace it with --overwrite, or choose another --out"))
+    for f in OWNED:
+        p = out / f
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+
+
+def _summary(d: Path) -> str:
+    try:
+        n = sum(1 for ln in open(d / "metrics.jsonl") if ln.strip())
+        return f"{n} steps in metrics.jsonl"
+    except OSError:
+        return "a checkpoint" if (d / "checkpoints").exists() or (d / "checkpoint").exists() else "run files"
+
+
+def flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
+    """{'train.lr': 3e-4, 'nodes[2].params.queue': 1, ...}; nodes are named by id, not by position."""
+    out: dict[str, Any] = {}
+    if isinstance(doc, Mapping):
+        for k, v in doc.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(doc, list) and prefix == "nodes" and all(isinstance(n, Mapping) and "id" in n for n in doc):
+        for n in doc:
+            out.update(flatten({k: v for k, v in n.items()}, f"nodes.{n['id']}"))
+    elif isinstance(doc, list) and doc and any(isinstance(x, (Mapping, list)) for x in doc):
+        for i, v in enumerate(doc):
+            out.update(flatten(v, f"{prefix}[{i}]"))
+    else:
+        out[prefix] = doc
+    return out
+
+
+def _jsonable(doc: Any) -> Any:
+    return json.loads(json.dumps(doc, default=str))
+
+
+def record(out: Path, spec, argv: Sequence[str], overrides: Sequence[str], resumed: bool) -> None:
+    """Write (or, on resume, extend) run.json."""
+    graph = str(Path(spec.file).resolve()) if spec.file else None      # eval and export rebuild the graph from it
+    entry = {"argv": list(argv), "cwd": os.getcwd(), "graph": graph, "overrides": list(overrides),
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    path = out / RUN_FILE
+    if resumed and path.exists():
+        try:
+            run = json.loads(path.read_text())
+        except ValueError:
+            run = None
+        if isinstance(run, dict):
+            run.setdefault("resumes", []).append({**entry, "resolved": _jsonable(spec.resolved)})
+            _write(path, run)
+            return
+    _write(path, {**entry, "resolved": _jsonable(spec.resolved)})
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def check_resume(resume: Path, spec, allow: Sequence[str]) -> None:
+    """Refuse a resume whose resolved graph differs from the run's in anything but ALWAYS_OK (and the WITH_FLAG
+    keys `--allow-change` names), naming each difference."""
+    bad_flags = [a for a in allow if a not in WITH_FLAG]
+    if bad_flags:
+        raise GraphError(Problem(f"--allow-change {bad_flags[0]}: only {', '.join(sorted(WITH_FLAG))} may be allowed "
+                                 "to change on resume", Location(None, None, None, f"--allow-change {bad_flags[0]}"),
+                                 hint="anything else changes what the checkpoint holds: start a new run"))
+    path = resume / RUN_FILE
+    if not path.exists():
+        print(f"note: {resume} has no {RUN_FILE} (a run from an older version): the graph is not compared with the "
+              "checkpoint's", file=sys.stderr)
+        return
+    try:
+        run = json.loads(path.read_text())
+        # the latest invocation's graph: a resume already accepted with --allow-change becomes the new reference
+        old = (run.get("resumes") or [run])[-1]["resolved"]
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise GraphError(Problem(f"{path} is not valid ({type(e).__name__})", Location(str(path)),
+                                 hint="it records the graph the run used; without it the resume cannot be checked")) from None
+    a, b = flatten(old), flatten(_jsonable(spec.resolved))
+    diffs = []
+    for k in sorted(set(a) | set(b)):
+        if a.get(k, "<absent>") == b.get(k, "<absent>") or k in ALWAYS_OK or k in allow:
+            continue
+        diffs.append(k)
+    if not diffs:
+        return
+    problems = []
+    for k in diffs:
+        old_v, new_v = a.get(k, "<absent>"), b.get(k, "<absent>")
+        hint = (f"allow it with --allow-change {k}" if k in WITH_FLAG else
+                "this changes what the checkpoint holds; resume with the graph and --set flags the run used "
+                "(recorded in run.json), or start a new run")
+        problems.append(Problem(f"--resume {resume}: {k} was {short(old_v)} in the run, is {short(new_v)} now",
+                                spec.loc(*_toml_path(k, spec)), expected=short(old_v), actual=short(new_v), hint=hint))
+    raise GraphError(problems)
+
+
+def _toml_path(flat: str, spec) -> tuple:
+    """'nodes.loss.params.gamma' -> ('nodes', index, 'params', 'gamma') for the line lookup, where it can."""
+    parts: list = [int(p) if p.isdigit() else p for p in flat.replace("[", ".").replace("]", "").split(".") if p != ""]
+    if len(parts) > 1 and parts[0] == "nodes":
+        idx = next((n.index for n in spec.nodes if n.id == parts[1]), None)
+        parts = ["nodes", *([idx] if idx is not None else []), *parts[2:]]
+    return tuple(parts)
