@@ -8,6 +8,7 @@ import time
 
 
 from ..analysis.memory import MemoryReport
+from ..ops import registry
 from ..rewrite.pipeline import Plan, compile_graph
 from ..units import fmt_bytes
 
@@ -60,7 +61,8 @@ def render_nodes(typed) -> str:
     lines = []
     w = max((len(n.id) for n in typed.graph.nodes), default=0) + 1
     for n in typed.graph.nodes:
-        lines.append(f"  {n.id:<{w}} {n.op:<18} @{n.device}" + (f"  model={n.model}" if n.model else ""))
+        shown = "".join(f"  {p.name}={typed.params[n.id][p.name]}" for p in registry.get(n.op).params if p.shown)
+        lines.append(f"  {n.id:<{w}} {n.op:<18} @{n.device}" + (f"  model={n.model}" if n.model else "") + shown)
         for k, t in typed.outputs_of(n.id).items():
             if t.dtype == "handle":
                 lines.append(f"      .{k:<16} hook point (no memory): hook_capture nodes read it")
@@ -130,7 +132,8 @@ def render_rewrites(plan: Plan) -> str:
 def _plan(args) -> Plan:
     es = None if getattr(args, "expandable_segments", None) is None else args.expandable_segments == "on"
     return compile_graph(args.graph, args.overrides, rewrite=not getattr(args, "no_rewrite", False),
-                         expandable_segments=es, verify=getattr(args, "verify", False))
+                         expandable_segments=es, verify=getattr(args, "verify", False),
+                         rules_off=getattr(args, "rules_off", ()))
 
 
 def cmd_check(args) -> int:

@@ -48,7 +48,8 @@ def _mapped_overrides(args) -> list[str]:
 
 
 def cmd_run(args) -> int:
-    plan = compile_graph(args.graph, [*args.overrides, *_mapped_overrides(args)], rewrite=not args.no_rewrite)
+    plan = compile_graph(args.graph, [*args.overrides, *_mapped_overrides(args)], rewrite=not args.no_rewrite,
+                         rules_off=args.rules_off)
     spec = plan.typed.ctx.spec
     print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")
     print(render_memory(plan.memory, plan.memory_before))

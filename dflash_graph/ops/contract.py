@@ -43,6 +43,7 @@ class Param:
     default: Any = None
     required: bool = False
     choices: tuple[str, ...] = ()
+    shown: bool = False   # `check` prints its value next to the node (a size the memory model chose)
 
 
 @attrs.frozen
@@ -61,6 +62,31 @@ class Selection:
 
 
 @attrs.frozen
+class LinearHead:
+    """out = x @ W.T along the last axis, W = the `component` weight of the node's model (no bias), position-wise
+    on every other axis: the op is a linear projection whose weight can be read by another op."""
+    input: str
+    output: str
+    component: str
+
+
+@attrs.frozen
+class FusesHeads:
+    """The op reads two logits tensors row by row (`student`, `target`, [*rows, vocab]; the target is a constant:
+    no gradient flows into it) and op `into` computes the same outputs from the inputs of the linear heads that
+    produce them (`into`'s ports `student_input`, `target_input`) and one weight, when both heads use the same
+    weight. The other inputs are passed through under their names. See docs/rules/fuse_heads_into_loss.md."""
+    student: str
+    target: str
+    into: str
+    student_input: str
+    target_input: str
+    # the fused op's params from this op's params and the sizes (rows, hidden, vocab): the chunk the memory
+    # model chooses is written into the node, so that `check` shows it
+    params: Callable[[Mapping[str, Any], int, int, int], Mapping[str, Any]] | None = None
+
+
+@attrs.frozen
 class Traits:
     # The op treats each position of every axis in the variadic group `positionwise` independently: for every
     # input and output that carries the group, axis k of the group corresponds one-to-one, and
@@ -76,6 +102,8 @@ class Traits:
     decompose: Callable | None = None
     # new params when the given optional outputs are dropped (None: the node cannot drop them alone)
     drop_outputs: Callable[[Mapping[str, Any], frozenset[str]], Mapping[str, Any]] | None = None
+    linear_head: LinearHead | None = None   # a linear projection by a model weight (lm_head)
+    fuses_heads: FusesHeads | None = None   # a loss over two heads' logits that a fused op can compute from their inputs
 
 
 @attrs.frozen

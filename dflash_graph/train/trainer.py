@@ -79,7 +79,8 @@ class Trainer:
         seq = self._seq_len()
         self.data = PackedData(base / spec.data["corpus"], base / spec.data["tokenizer"], seq,
                                spec.data.get("text_key", "text"), seed)
-        self.loss_node = next(n.id for n in typed.graph.nodes if registry.get(n.op).name == "loss")
+        self.loss_node = next(n.id for n in typed.graph.nodes     # the loss op, or the fused op that replaced it
+                              if registry.get(n.op).traits.sink and "loss" in typed.outputs_of(n.id))
         self.start_step = 0
         if opts.resume is not None:
             state, ck = checkpoint.load(opts.resume)
