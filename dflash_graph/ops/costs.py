@@ -275,7 +275,8 @@ def fused_head_loss(c: CostContext) -> NodeCost:
     # backward: saved_bytes), then per chunk the drafter's and the verifier's [chunk, vocab] logits in the model
     # dtype (F.linear, as lm_head makes them) and _chunk_loss's buffers; all freed before the next chunk. Backward
     # only scales the kept gradient into the input's gradient (counted by the analysis). Nothing [rows, vocab]
-    # exists. FLOPs: the two heads' GEMMs (2*rows*hidden*vocab each), the gradient's (the same), ~12 per logit.
+    # exists. FLOPs, forward only as for every op: the two heads' GEMMs (2*rows*hidden*vocab each) and the loss's
+    # ~12 per logit (the gradient's GEMM, made here in forward, is the one the unfused graph makes in backward).
     # A trainable W (not in the DFlash graphs: the drafter's head is the target's, frozen) adds its [vocab, hidden]
     # gradient accumulator in at least fp32, which this formula does not count.
     x = c.inputs["x"]
@@ -293,5 +294,5 @@ def fused_head_loss(c: CostContext) -> NodeCost:
     program = (("alloc", "rows", per_row), ("alloc", "chunk", logits + n * chunk * v * cd), ("free", "chunk", 0),
                *(("alloc", f"out:{k}", t.nbytes) for k, t in c.outputs.items()), ("free", "rows", 0))
     gemm = 2 * rows * h * v
-    return NodeCost(saved_bytes=x.nbytes if c.grad else 0, flops=(3 if c.grad else 2) * gemm + 12 * rows * v,
+    return NodeCost(saved_bytes=x.nbytes if c.grad else 0, flops=2 * gemm + 12 * rows * v,
                     program=program)
