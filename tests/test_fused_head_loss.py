@@ -140,8 +140,8 @@ def test_chunk_grad_is_the_derivative_of_chunk_loss(kind):
 def test_head_chunk_is_liger_rule():
     assert costs.head_chunk(8192, 5120, 248320) == 256          # cdiv(V, H) = 49, cdiv(8192, 49) = 168 -> 256
     assert costs.head_chunk(4096 * 4, 4096, 32000) == 2048      # Liger's own example (fused_linear_cross_entropy.py)
-    assert costs.head_chunk(64, 128, 768) == 16
-    assert costs.head_chunk(3, 4, 1000) == 1 and costs.head_chunk(5, 1000, 10) == 5   # capped at the rows
+    assert costs.head_chunk(1024, 256, 248320) == costs.MIN_CHUNK_ROWS == 64   # the rule's 2, floored
+    assert costs.head_chunk(3, 4, 1000) == 3 and costs.head_chunk(5, 1000, 10) == 5   # capped at the rows
 
 
 # -- memory -------------------------------------------------------------------------------------------------------

@@ -252,14 +252,20 @@ def loss(c: CostContext) -> NodeCost:
     return NodeCost(workspace_bytes=ws, flops=12 * x.numel, saved_inputs=("logits", "target") if c.grad else ())
 
 
+MIN_CHUNK_ROWS = 64
+
+
 def head_chunk(rows: int, hidden: int, vocab: int) -> int:
     """Rows per chunk for fused_head_loss when its `chunk` param is 0: Liger Kernel's rule, which keeps a
     [chunk, vocab] block about the size of the [rows, hidden] input (liger_kernel/ops/fused_linear_jsd.py and
     fused_linear_cross_entropy.py: inc_factor = cdiv(V, H); chunk_size = next_power_of_2(cdiv(BT, inc_factor))),
-    capped at the rows there are. qwen27b.toml: 8,192 rows, H 5,120, V 248,320 -> 49 -> 168 -> 256."""
+    with a floor of MIN_CHUNK_ROWS rows, capped at the rows there are. The floor: every chunk's three GEMMs read
+    all of W, so a chunk of a few rows (the rule gives 2 at 1,024 rows, H 256, V 248,320) re-reads W hundreds of
+    times; Liger's current code floors at 512 rows under a 2 GiB budget for four fp32 [chunk, V] buffers.
+    qwen27b.toml: 8,192 rows, H 5,120, V 248,320 -> cdiv 49 -> 168 -> 256."""
     inc = -(-vocab // hidden)
     c = -(-rows // inc)
-    return max(1, min(1 << (c - 1).bit_length(), rows))
+    return max(1, min(max(1 << (c - 1).bit_length(), MIN_CHUNK_ROWS), rows))
 
 
 # [chunk, vocab] buffers in the compute dtype (fp32, or fp64 for fp64 logits) that torch_impl._chunk_loss holds
