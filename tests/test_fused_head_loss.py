@@ -363,13 +363,13 @@ def test_legality_from_traits():
     renamed = attrs.evolve(registry.get("lm_head"), name="vocab_proj")
     base = """
 [dims]
-a = 2
-b = 3
+a = 8
+b = 16
 hidden = "target.hidden_size"
 [devices.d0]
 torch = "cpu"
 capacity = "1 GiB"
-""" + _model("target", 8, 24) + """
+""" + _model("target", 8, 512) + """
 [[nodes]]
 id = "x"
 op = "rand_input"
@@ -384,7 +384,7 @@ params = { rank = 3, d0 = "a", d1 = "b", d2 = "hidden" }
 id = "valid"
 op = "rand_valid"
 device = "d0"
-params = { d0 = "a", values = [1, 0] }
+params = { d0 = "a", values = [1, 0, 1, 1, 1, 1, 0, 1] }
 [[nodes]]
 id = "sh"
 op = "HEAD"
@@ -408,7 +408,7 @@ inputs = { logits = "sh.logits", target = "th.logits", valid = "valid.out" }
             plan = compile_typed(infer(*build(parse_graph(base.replace("HEAD", head), "t.toml"))))
             assert (plan.typed.graph["loss"].op == "fused_head_loss") == fuses, head
             if fuses:
-                assert plan.typed.params["loss"]["chunk"] == costs.head_chunk(6, 8, 24)
+                assert plan.typed.params["loss"]["chunk"] == costs.head_chunk(128, 8, 512) == 64
 
 
 def test_z_largest_errors(capsys):
