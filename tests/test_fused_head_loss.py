@@ -10,8 +10,8 @@ the unfused graph it replaces (the verifier lm_head, the drafter lm_head, the lo
    weight), the rewritten graph gives the same loss, accuracies and gradients as the original through the
    interpreter, no device's predicted peak rises, and rewriting again applies nothing.
 
-The largest gradient error seen (relative to the gradient's largest entry) is kept in ERRORS and printed by the
-last test.
+The largest gradient error seen (relative to the gradient's largest entry, or to 1e-5 of W's when the gradient is
+smaller than that: rounding noise) is kept in ERRORS and printed by the last test.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ KINDS = ("ce", "kl", "rkl", "jsd", "tv")
 ERRORS: dict[str, float] = {}
 
 
-def _note(key: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-300) if want.numel() else 0.0
+def _note(key: str, got: torch.Tensor, want: torch.Tensor, floor: float = 1e-300) -> None:
+    """Keep the largest max|got - want| / max(max|want|, floor) seen (floor: below it a gradient is rounding noise)."""
+    err = float((got - want).abs().max()) / max(float(want.abs().max()), floor) if want.numel() else 0.0
     ERRORS[key] = max(ERRORS.get(key, 0.0), err)
 
 
@@ -97,15 +98,20 @@ def test_fused_equals_unfused(c):
     torch.testing.assert_close(out["loss"], ref["loss"], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(out["slot_acc"], ref["slot_acc"], rtol=0, atol=0)
     assert torch.isfinite(xf.grad).all()
+    _note(f"dx {c['kind']}", xf.grad, xu.grad, floor=1e-5 * float(w0.abs().max()))
+    # Tolerance: 1e-7 of the largest entry (closed forms and autograd cancel differently where p is peaked;
+    # found: rkl, logits x30, V = 2: 1.6e-8 of the largest entry), plus 1e-12 of W's largest entry for gradients
+    # that are themselves rounding noise (rkl at 1e4: entries of 1e-142 that differ by 23%). dD/ds is bounded by
+    # a few units, so d/dx = dD/ds @ W is exact to that.
     scale_x = max(float(xu.grad.abs().max()), 1e-300)
-    torch.testing.assert_close(xf.grad, xu.grad, rtol=1e-9, atol=1e-12 * scale_x)
-    _note(f"dx {c['kind']}", xf.grad, xu.grad)
+    torch.testing.assert_close(xf.grad, xu.grad, rtol=1e-9, atol=1e-7 * scale_x + 1e-12 * float(w0.abs().max()))
     _note(f"loss {c['kind']}", out["loss"].detach().reshape(1), ref["loss"].detach().reshape(1))
     if c["train_w"]:
         gw = head.weight.grad
         assert gw is not None and torch.isfinite(gw).all()
-        torch.testing.assert_close(gw, wu.grad, rtol=1e-9, atol=1e-12 * max(float(wu.grad.abs().max()), 1e-300))
-        _note(f"dW {c['kind']}", gw, wu.grad)
+        _note(f"dW {c['kind']}", gw, wu.grad, floor=1e-5 * float(x0.abs().max()))
+        torch.testing.assert_close(gw, wu.grad, rtol=1e-9,
+                                   atol=1e-7 * float(wu.grad.abs().max()) + 1e-12 * float(x0.abs().max()))
     if not valid.any():
         assert out["loss"] == 0 and not xf.grad.any()
 
@@ -348,8 +354,8 @@ def test_rule_on_random_graphs(case):
         got, ggot = _run(new, store)
     torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got["slot_acc"], ref["slot_acc"], rtol=0, atol=0)
-    torch.testing.assert_close(ggot, gref, rtol=1e-9, atol=1e-12 * max(float(gref.abs().max()), 1e-300))
     _note("graph dx", ggot, gref)
+    torch.testing.assert_close(ggot, gref, rtol=1e-9, atol=1e-7 * max(float(gref.abs().max()), 1e-300))
 
 
 def test_legality_from_traits():
