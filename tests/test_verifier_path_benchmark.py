@@ -26,7 +26,7 @@ def test_verifier_path_benchmark_runs_and_ways_agree(tmp_path, capsys, kind):
     out = tmp_path / "vp.json"
     try:
         r = bench.main(["--seq", "256", "--anchors", "4", "--block", "8", "--vocab", "700", "--hidden", "32",
-                        "--kind", kind, "--repeats", "1", "--warmup", "0", "--json", str(out)])
+                        "--kind", kind, "--chunk", "8", "--repeats", "1", "--warmup", "0", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)
     printed = capsys.readouterr().out
