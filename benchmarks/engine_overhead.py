@@ -4,7 +4,8 @@
     python benchmarks/engine_overhead.py --steps 60 --threads 1 --json runs/engine_overhead.json
     python benchmarks/engine_overhead.py --profile 20         # + cProfile of 20 more steps of each path
 
-Engine path: exactly what `dflash-graph run GRAPH` runs: compile_graph (load -> infer -> rewrite -> memory) ->
+Engine path: exactly what `dflash-graph run GRAPH --without-rule fuse_heads_into_loss` runs: compile_graph (load ->
+infer -> rewrite -> memory) ->
 Trainer(plan, RunOptions(track_memory=False, progress=False)) -> Trainer.step().
 
 Hand path: a plain PyTorch training step doing the same math with the same modules and data: the Trainer's frozen
@@ -53,7 +54,9 @@ def build_engine(graph: str, overrides: list[str], out: Path):
     from dflash_graph.rewrite.pipeline import compile_graph
     from dflash_graph.train.trainer import RunOptions, Trainer
 
-    plan = compile_graph(graph, overrides, rewrite=True)
+    # without fuse_heads_into_loss: the hand-written step below is the unfused verifier path (heads, then the
+    # loss); benchmarks/verifier_path.py compares the fused node with it
+    plan = compile_graph(graph, overrides, rewrite=True, rules_off=("fuse_heads_into_loss",))
     return Trainer(plan, RunOptions(out=out, track_memory=False, progress=False))
 
 

@@ -65,7 +65,9 @@ def comments_above_nodes(text: str) -> dict[str, str | None]:
 
 
 def test_rewritten_nodes_carry_the_rule_as_a_comment(in_repo):
-    plan = compile_graph("graphs/qwen27b.toml")
+    fused = comments_above_nodes(emit_toml(compile_graph("graphs/qwen27b.toml"), "graphs/emitted.toml"))
+    assert fused["loss"].startswith("# rewrite: fuse_heads_into_loss: drafter_lm_head and verifier_lm_head")
+    plan = compile_graph("graphs/qwen27b.toml", rules_off=("fuse_heads_into_loss",))
     by_id = comments_above_nodes(emit_toml(plan, "graphs/emitted.toml"))
     assert list(by_id) == [n.id for n in plan.typed.graph.nodes]
     assert by_id["verifier_lm_head"].startswith("# rewrite: gather_through_positionwise:")

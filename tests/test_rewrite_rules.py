@@ -42,6 +42,12 @@ def plans(request):
     return compile_graph(path), compile_graph(path, rewrite=False)
 
 
+@pytest.fixture(scope="module")
+def unfused(request):
+    """The 27B graph rewritten without fuse_heads_into_loss: the verifier path after the pushdown alone."""
+    return compile_graph(str(request.config.rootpath / "graphs" / "qwen27b.toml"), rules_off=("fuse_heads_into_loss",))
+
+
 def full_logits(plan: Plan) -> list[str]:
     return [str(r) for r, t in plan.typed.types.items() if t.sizes == (SEQ, VOCAB)]
 
@@ -72,9 +78,9 @@ def test_drafter_peak_falls_by_26_gib(plans):
         assert rewritten.memory.devices[d].peak_bytes <= as_written.memory.devices[d].peak_bytes
 
 
-def test_verifier_norm_and_lm_head_run_on_anchored_positions(plans):
+def test_verifier_norm_and_lm_head_run_on_anchored_positions(plans, unfused):
     rewritten, as_written = plans
-    t = rewritten.typed
+    t = unfused.typed
     for nid in ("verifier_norm", "verifier_lm_head"):
         x = t.inputs_of(nid)["x"]
         assert x.sizes == (ANCHORS, BLOCK, HIDDEN), nid
@@ -86,6 +92,12 @@ def test_verifier_norm_and_lm_head_run_on_anchored_positions(plans):
     # only the selected rows of the last hidden state cross to gpu7; the targets keep the body only
     assert t.outputs_of("last_hidden_tx")["out"].sizes == (ANCHORS, BLOCK, HIDDEN)
     assert t.graph["target"].op == "body_forward"
+    # with the fusion, both heads run inside the loss node on those rows: no [anchors, block, vocab] tensor left
+    f = rewritten.typed
+    assert f.graph["loss"].op == "fused_head_loss" and "verifier_lm_head" not in f.graph
+    assert f.inputs_of("loss")["target_x"].sizes == f.inputs_of("loss")["x"].sizes == (ANCHORS, BLOCK, HIDDEN)
+    assert not any(VOCAB in ty.sizes for ty in f.types.values())
+    assert f.outputs_of("loss") == as_written.typed.outputs_of("loss")
 
 
 def test_json_rewrites_carry_rule_nodes_and_savings(in_repo, capsys, plans):
@@ -95,7 +107,7 @@ def test_json_rewrites_carry_rule_nodes_and_savings(in_repo, capsys, plans):
     assert [r["rule"] for r in rw] == [
         "decompose_forward", "drop_unused", "drop_unused", "gather_through_remap", "drop_unused",
         "gather_through_positionwise", "gather_through_positionwise", "gather_through_positionwise",
-        "drop_unused", "drop_unused"]
+        "drop_unused", "drop_unused", "fuse_heads_into_loss"]
     for r in rw:
         assert r["rule"] in ALL_RULES and r["trait"] == ALL_RULES[r["rule"]].trait
         assert r["nodes"] and all(isinstance(n, str) for n in r["nodes"])
@@ -175,7 +187,7 @@ def test_positionwise_legality_from_traits(qwen_text, request):
     assert full_logits(plan) == []
     t = plan.typed
     assert t.inputs_of("verifier_norm")["x"].sizes == (SEQ, HIDDEN)
-    assert t.inputs_of("verifier_lm_head")["x"].sizes == (ANCHORS, BLOCK, HIDDEN)
+    assert t.inputs_of("loss")["target_x"].sizes == (ANCHORS, BLOCK, HIDDEN)   # the verifier head, fused
     assert t.outputs_of("last_hidden_tx")["out"].sizes == (SEQ, HIDDEN)
     assert not any(a.rule == "gather_through_positionwise" and "verifier_norm" in a.nodes for a in plan.applied)
 

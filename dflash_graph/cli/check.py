@@ -9,6 +9,7 @@ import time
 
 from ..analysis.memory import MemoryReport
 from ..models.qwen3_5 import forward_lines
+from ..ops import registry
 from ..rewrite.pipeline import Plan, compile_graph
 from ..units import fmt_bytes
 from .launch import launch_json, render_launch
@@ -63,7 +64,8 @@ def render_nodes(typed) -> str:
     lines = []
     w = max((len(n.id) for n in typed.graph.nodes), default=0) + 1
     for n in typed.graph.nodes:
-        lines.append(f"  {n.id:<{w}} {n.op:<18} @{n.device}" + (f"  model={n.model}" if n.model else ""))
+        shown = "".join(f"  {p.name}={typed.params[n.id][p.name]}" for p in registry.get(n.op).params if p.shown)
+        lines.append(f"  {n.id:<{w}} {n.op:<18} @{n.device}" + (f"  model={n.model}" if n.model else "") + shown)
         for k, t in typed.outputs_of(n.id).items():
             if t.dtype == "handle":
                 lines.append(f"      .{k:<16} hook point (no memory): hook_capture nodes read it")
@@ -143,7 +145,8 @@ def _plan(args) -> Plan:
 
         args.overrides = [*args.overrides, *_mapped_overrides(args)]
     return compile_graph(args.graph, args.overrides, rewrite=not getattr(args, "no_rewrite", False),
-                         expandable_segments=es, verify=getattr(args, "verify", False))
+                         expandable_segments=es, verify=getattr(args, "verify", False),
+                         rules_off=getattr(args, "rules_off", ()))
 
 
 def _extras(args, plan: Plan) -> dict[str, tuple[object, str]]:

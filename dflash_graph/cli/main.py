@@ -24,6 +24,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a scalar by its dotted path, e.g. dims.seq=4096 or models.target.config.hidden_size=64 "
                         "(repeatable)")
+    p.add_argument("--without-rule", dest="rules_off", action="append", default=[], metavar="RULE",
+                   help="rewrite without this rule, e.g. fuse_heads_into_loss (repeatable; see docs/rules/)")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -65,7 +65,8 @@ def cmd_run(args) -> int:
     distributed = under_torchrun()
     # under torchrun every rank checks the same graph and reaches the same verdict; rank 0 prints it
     talk = not distributed or os.environ.get("RANK") == "0"
-    plan = compile_graph(args.graph, [*args.overrides, *_mapped_overrides(args)], rewrite=not args.no_rewrite)
+    plan = compile_graph(args.graph, [*args.overrides, *_mapped_overrides(args)], rewrite=not args.no_rewrite,
+                         rules_off=args.rules_off)
     spec = plan.typed.ctx.spec
     if talk:
         print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..ir.graph import Node, Ref
 from . import costs
-from .contract import BindContext, IndexRemap, OpDef, Param, Port, Selection, Traits
-from .registry import register
+from .contract import BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, Selection, Traits
+from .registry import OPS, register
 
 IMPL = "dflash_graph.ops.torch_impl"
 
@@ -252,7 +252,7 @@ register(OpDef(
     model_arch=("qwen3_5", "dflash"),
     components=("lm_head",),
     bind=_lm_bind,
-    traits=Traits(positionwise="batch"),
+    traits=Traits(positionwise="batch", linear_head=LinearHead("x", "logits", "lm_head")),
     cost=costs.lm_head,
     impl=f"{IMPL}:lm_head",
 ))
@@ -299,9 +299,36 @@ register(OpDef(
                   open_low=True, high=1e6),
             Param("chunk", "int", "Rows of [anchors*block, vocab] processed at once (recomputed in backward).",
                   default=1024, low=1)),
-    traits=Traits(sink=True, pure=False),
+    traits=Traits(sink=True, pure=False,
+                  fuses_heads=FusesHeads("logits", "target", "fused_head_loss", "x", "target_x",
+                                         params=lambda p, rows, hidden, vocab: {
+                                             "kind": p.get("kind", "kl"), "gamma": p.get("gamma", 7.0),
+                                             "chunk": costs.head_chunk(rows, hidden, vocab)})),
     cost=costs.loss,
     impl=f"{IMPL}:loss",
+))
+
+_LOSS = OPS["loss"]   # the fused op has the loss op's outputs and loss params, declared once there
+
+register(OpDef(
+    name="fused_head_loss",
+    doc="The loss op on lm_head(x) (the drafter) and lm_head(target_x) (the verifier) with one shared W, computed "
+        "`chunk` rows at a time: neither [anchors*block, vocab] logits tensor is ever made, in forward or backward. "
+        "The gradient with respect to x is made chunk by chunk in forward and kept ([rows, hidden]); backward "
+        "recomputes nothing. Same outputs as the loss op. Made by the rule fuse_heads_into_loss.",
+    inputs=(Port("x", "anchors block hidden", doc="the drafter's rows, the input of its lm_head"),
+            Port("target_x", "anchors block hidden", "like:x", doc="the verifier's rows, the input of its lm_head"),
+            _LOSS.inputs[2]),
+    outputs=_LOSS.outputs,
+    params=(_LOSS.param("kind"), _LOSS.param("gamma"),
+            Param("chunk", "int", "Rows per chunk; 0: Liger's rule, [chunk, vocab] about the size of [rows, hidden] "
+                  "(ops/costs.head_chunk). The rule writes the value it chose.", default=0, shown=True)),
+    model_arch=("qwen3_5", "dflash"),
+    components=("lm_head",),
+    bind=_lm_bind,
+    traits=Traits(sink=True, pure=False),
+    cost=costs.fused_head_loss,
+    impl=f"{IMPL}:fused_head_loss",
 ))
 
 register(OpDef(

@@ -46,6 +46,7 @@ class Param:
     low: float | None = None     # bounds of a number param, checked by infer (open_low: low itself refused)
     high: float | None = None
     open_low: bool = False
+    shown: bool = False   # `check` prints its value next to the node (a size the memory model chose)
 
 
 @attrs.frozen
@@ -64,6 +65,31 @@ class Selection:
     # what the implementation does with an index outside [0, n): "clamp" to [0, n-1] (torch_impl.gather) or
     # "error"; read by the proofs (rewrite/proofs.py), which find where a rule is exact only for in-range indices
     out_of_range: str = "clamp"
+
+
+@attrs.frozen
+class LinearHead:
+    """out = x @ W.T along the last axis, W = the `component` weight of the node's model (no bias), position-wise
+    on every other axis: the op is a linear projection whose weight can be read by another op."""
+    input: str
+    output: str
+    component: str
+
+
+@attrs.frozen
+class FusesHeads:
+    """The op reads two logits tensors row by row (`student`, `target`, [*rows, vocab]; the target is a constant:
+    no gradient flows into it) and op `into` computes the same outputs from the inputs of the linear heads that
+    produce them (`into`'s ports `student_input`, `target_input`) and one weight, when both heads use the same
+    weight. The other inputs are passed through under their names. See docs/rules/fuse_heads_into_loss.md."""
+    student: str
+    target: str
+    into: str
+    student_input: str
+    target_input: str
+    # the fused op's params from this op's params and the sizes (rows, hidden, vocab): the chunk the memory
+    # model chooses is written into the node, so that `check` shows it
+    params: Callable[[Mapping[str, Any], int, int, int], Mapping[str, Any]] | None = None
 
 
 @attrs.frozen
@@ -86,6 +112,8 @@ class Traits:
     # written with the proof algebra `t` (tensors are functions of their index). When given, the traits above are
     # checked against it; when absent, they are the proofs' axioms.
     reference: Callable | None = None
+    linear_head: LinearHead | None = None   # a linear projection by a model weight (lm_head)
+    fuses_heads: FusesHeads | None = None   # a loss over two heads' logits that a fused op can compute from their inputs
 
 
 @attrs.frozen

@@ -256,3 +256,55 @@ def loss(c: CostContext) -> NodeCost:
     chunk = min(int(c.node.params.get("chunk", 1024)), rows)
     ws = 5 * chunk * v * 4
     return NodeCost(workspace_bytes=ws, flops=12 * x.numel, saved_inputs=("logits", "target") if c.grad else ())
+
+
+MIN_CHUNK_ROWS = 64
+
+
+def head_chunk(rows: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk for fused_head_loss when its `chunk` param is 0: Liger Kernel's rule, which keeps a
+    [chunk, vocab] block about the size of the [rows, hidden] input (liger_kernel/ops/fused_linear_jsd.py and
+    fused_linear_cross_entropy.py: inc_factor = cdiv(V, H); chunk_size = next_power_of_2(cdiv(BT, inc_factor))),
+    with a floor of MIN_CHUNK_ROWS rows, capped at the rows there are. The floor: every chunk's three GEMMs read
+    all of W, so a chunk of a few rows (the rule gives 2 at 1,024 rows, H 256, V 248,320) re-reads W hundreds of
+    times; Liger's current code floors at 512 rows under a 2 GiB budget for four fp32 [chunk, V] buffers.
+    qwen27b.toml: 8,192 rows, H 5,120, V 248,320 -> cdiv 49 -> 168 -> 256."""
+    inc = -(-vocab // hidden)
+    c = -(-rows // inc)
+    return max(1, min(max(1 << (c - 1).bit_length(), MIN_CHUNK_ROWS), rows))
+
+
+# [chunk, vocab] buffers in the compute dtype (fp32, or fp64 for fp64 logits) that torch_impl._chunk_loss holds
+# at its peak, per kind: (inputs already in the compute dtype, inputs upcast from bf16/fp16). Measured with
+# MemTracker by tests/test_fused_head_loss.py::test_memory_formula; chunk_grad and the argmax of chunk_hits, which
+# run after it, hold fewer. kl: log_softmax of each side, exp, difference, product; jsd adds the mixture.
+LOSS_CHUNK_BUFFERS = {"ce": (2, 3), "kl": (5, 5), "rkl": (5, 5), "jsd": (6, 6), "tv": (5, 5)}
+
+
+def fused_head_loss(c: CostContext) -> NodeCost:
+    # ops/torch_impl.head_loss_chunks, in allocation order: the per-row losses and hits ([rows]), the gradient
+    # with respect to x when autograd records the node ([rows, hidden] in x's dtype, made in forward, kept for
+    # backward: saved_bytes), then per chunk the drafter's and the verifier's [chunk, vocab] logits in the model
+    # dtype (F.linear, as lm_head makes them) and _chunk_loss's buffers; all freed before the next chunk. Backward
+    # only scales the kept gradient into the input's gradient (counted by the analysis). Nothing [rows, vocab]
+    # exists. FLOPs, forward only as for every op: the two heads' GEMMs (2*rows*hidden*vocab each) and the loss's
+    # ~12 per logit (the gradient's GEMM, made here in forward, is the one the unfused graph makes in backward).
+    # A trainable W (not in the DFlash graphs: the drafter's head is the target's, frozen) adds its [vocab, hidden]
+    # gradient accumulator in at least fp32, which this formula does not count.
+    x = c.inputs["x"]
+    h = x.sizes[-1]
+    rows = x.numel // h
+    v = c.model_dims.vocab_size
+    kind = c.node.params.get("kind", "kl")
+    chunk = int(c.node.params.get("chunk") or 0) or head_chunk(rows, h, v)
+    chunk = min(chunk, rows)
+    cd = max(c.dtype_bytes, 4)
+    same, upcast = LOSS_CHUNK_BUFFERS[kind]
+    n = same if c.dtype_bytes >= 4 else upcast
+    logits = 2 * chunk * v * c.dtype_bytes
+    per_row = rows * cd + rows          # losses and hits
+    program = (("alloc", "rows", per_row), ("alloc", "chunk", logits + n * chunk * v * cd), ("free", "chunk", 0),
+               *(("alloc", f"out:{k}", t.nbytes) for k, t in c.outputs.items()), ("free", "rows", 0))
+    gemm = 2 * rows * h * v
+    return NodeCost(saved_bytes=x.nbytes if c.grad else 0, flops=2 * gemm + 12 * rows * v,
+                    program=program)

@@ -187,6 +187,36 @@ def acceptance_counts(hit: Tensor, valid: Tensor) -> Tensor:
     return run.sum(0).to(torch.float32)
 
 
+def row_weights(block: int, gamma: float, valid: Tensor) -> Tensor:
+    """The weight of each block slot of each anchor, [A, B]: the slot decay, zero for slot 0 and for slots that
+    are not scored (`valid` [A, B]: a real anchor's slots inside its loss span)."""
+    return slot_weights(block, gamma, valid.device)[None, :] * valid.to(torch.bool).float()
+
+
+def weighted_total(rows: Tensor, w: Tensor) -> Tensor:
+    """The loss: per-row losses [A, B] averaged with the row weights (0 when every row is masked)."""
+    return (rows * w).sum() / w.sum().clamp_min(1e-9)
+
+
+def chunk_hits(s: Tensor, t: Tensor) -> Tensor:
+    """Per row of a chunk: the drafter's argmax equals the verifier's. Per chunk: an argmax over bf16 on CPU
+    upcasts its whole input."""
+    with torch.no_grad():
+        return s.argmax(-1) == t.argmax(-1)
+
+
+def loss_metrics(hit: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """The loss op's metric outputs from the per-row hits [A, B] and the scored slots [A, B]: per-slot accuracy and
+    the acceptance counts of greedy verification. The fused head + loss op (fused_head_loss) returns exactly
+    these too: a new metric is added here, and declared on the loss op."""
+    with torch.no_grad():
+        valid = valid.to(torch.bool)
+        vf = valid.float()
+        acc = (hit.float() * vf).sum(0) / vf.sum(0).clamp_min(1.0)       # [B]
+        accepted = acceptance_counts(hit, valid)
+    return {"slot_acc": acc, "accepted": accepted}
+
+
 def loss(c, logits, target, valid):
     """Decayed per-slot loss over scored slots (`valid` [A, B]), computed `chunk` rows at a time; each chunk is
     recomputed in backward (torch.utils.checkpoint), so only one chunk's [chunk, vocab] fp32 temporaries ever
@@ -194,8 +224,7 @@ def loss(c, logits, target, valid):
     a, b, v = logits.shape
     kind, chunk = c.params["kind"], max(1, min(int(c.params.get("chunk", 1024)), a * b))
     target = target.detach()
-    valid = valid.to(torch.bool)
-    w = slot_weights(b, c.params["gamma"], logits.device)[None, :] * valid.float()   # [A, B]
+    w = row_weights(b, c.params["gamma"], valid)   # [A, B]
     s2, t2 = logits.reshape(a * b, v), target.reshape(a * b, v)
     per_row, hits = [], []
     for i in range(0, a * b, chunk):
@@ -207,13 +236,120 @@ def loss(c, logits, target, valid):
                 per_row.append(checkpoint(_chunk_loss, kind, si, ti, use_reentrant=False))
         else:
             per_row.append(_chunk_loss(kind, si, ti))
-        with torch.no_grad():   # per chunk: an argmax over bf16 on CPU upcasts its whole input
-            hits.append(si.argmax(-1) == ti.argmax(-1))
+        hits.append(chunk_hits(si, ti))
     rows = torch.cat(per_row).view(a, b)
-    total = (rows * w).sum() / w.sum().clamp_min(1e-9)
+    return {"loss": weighted_total(rows, w), **loss_metrics(torch.cat(hits).view(a, b), valid)}
+
+
+# -- the verifier head, the drafter head and the loss in one chunked node ----------------------------------------
+
+def chunk_grad(kind: str, s: Tensor, t: Tensor) -> Tensor:
+    """d _chunk_loss(kind, s, t)[r] / d s[r], [rows, V], in at least fp32: the closed forms of the loss op's
+    divergences (tests/test_fused_head_loss.py checks them against autograd of _chunk_loss). With p = softmax(s)
+    and q = softmax(t): ce p - onehot(argmax t); kl p - q; for rkl, jsd, tv the derivative d in p of the
+    divergence, through the softmax: p * (d - <p, d>), with d = log p - log q (rkl), (log p - log m) / 2 with
+    m = (p + q) / 2 (jsd), sign(p - q) / 2 (tv). At most four [rows, V] buffers at once (plus an fp32 copy of a
+    low-precision input while it is normalised)."""
+    ls = F.log_softmax(_up(s), dim=-1)
+    if kind == "ce":
+        p = ls.exp_()
+        return p.scatter_add_(-1, t.argmax(-1, keepdim=True),
+                              torch.full((p.shape[0], 1), -1.0, device=p.device, dtype=p.dtype))
+    lt = F.log_softmax(_up(t), dim=-1)
+    if kind == "kl":
+        return ls.exp_().sub_(lt.exp_())
+    p = ls.exp()
+    if kind == "rkl":
+        d = ls.sub_(lt)
+    elif kind == "jsd":
+        lm = torch.logaddexp(ls, lt).sub_(math.log(2.0))
+        d = ls.sub_(lm).mul_(0.5)
+        del lm
+    elif kind == "tv":
+        d = lt.exp_().neg_().add_(p).sign_().mul_(0.5)
+    else:
+        raise ValueError(kind)
+    del lt
+    d.sub_((p * d).sum(-1, keepdim=True))
+    return d.mul_(p)
+
+
+def head_loss_chunks(x: Tensor, tx: Tensor, weight: Tensor, w: Tensor, kind: str, chunk: int,
+                     grad_x: bool, grad_w: bool):
+    """The loss of student logits x @ W.T against target logits tx @ W.T, `chunk` rows at a time, without ever
+    holding more than one chunk of either: x, tx [R, H], W [V, H], row weights w [R]. Returns the per-row losses
+    [R], the per-row hits [R] and, when asked, the gradient of the weighted mean (weighted_total) with respect
+    to x ([R, H], in x's dtype) and to W ([V, H], accumulated per chunk in at least fp32). Each chunk's logits
+    are made as lm_head makes them (F.linear in the weight's dtype), so values and rounding are the unfused
+    graph's."""
+    r = x.shape[0]
+    rows = torch.empty(r, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    hit = torch.empty(r, dtype=torch.bool, device=x.device)
+    gx = torch.empty_like(x) if grad_x else None
+    gw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                     device=weight.device) if grad_w else None
+    wn = w.to(rows.dtype) / w.sum().clamp_min(1e-9)   # d weighted_total / d rows, as autograd makes it
     with torch.no_grad():
-        hit = torch.cat(hits).view(a, b)                                  # [A, B]
-        vf = valid.float()
-        acc = (hit.float() * vf).sum(0) / vf.sum(0).clamp_min(1.0)
-        accepted = acceptance_counts(hit, valid)
-    return {"loss": total, "slot_acc": acc, "accepted": accepted}
+        for i in range(0, r, chunk):
+            xi = x[i:i + chunk]
+            s = F.linear(xi, weight)                    # [c, V]: the drafter's logits for these rows
+            t = F.linear(tx[i:i + chunk], weight)       # [c, V]: the verifier's
+            rows[i:i + chunk] = _chunk_loss(kind, s, t)
+            hit[i:i + chunk] = chunk_hits(s, t)
+            if gx is not None or gw is not None:
+                ds = chunk_grad(kind, s, t).mul_(wn[i:i + chunk, None].to(rows.dtype))
+                del t
+                ds = ds.to(s.dtype)                     # as the loss op's backward hands it to lm_head's
+                del s
+                if gx is not None:
+                    torch.mm(ds, weight, out=gx[i:i + chunk])
+                if gw is not None:
+                    gw.addmm_(ds.t().to(gw.dtype), xi.to(gw.dtype))
+                del ds
+            else:
+                del s, t
+    return rows, hit, gx, gw
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """The weighted loss of the drafter's rows against the verifier's with both heads' logits made chunk by chunk
+    (head_loss_chunks). The gradient is computed in forward, one chunk at a time, and kept ([R, H], and [V, H]
+    for a trainable W): backward only scales it, nothing is recomputed and no logits are stored."""
+
+    @staticmethod
+    def forward(ctx, x, tx, weight, w, kind, chunk, shape):
+        rows, hit, gx, gw = head_loss_chunks(x, tx, weight, w, kind, chunk, ctx.needs_input_grad[0],
+                                             ctx.needs_input_grad[2])
+        ctx.gx, ctx.gw = gx, gw
+        total = weighted_total(rows.view(shape), w.view(shape))
+        ctx.mark_non_differentiable(hit)
+        return total, hit
+
+    @staticmethod
+    def backward(ctx, g, _hit):
+        gx = None if ctx.gx is None else ctx.gx * g.to(ctx.gx.dtype)
+        gw = None if ctx.gw is None else (ctx.gw * g).to(ctx.gw.dtype)
+        ctx.gx = ctx.gw = None
+        return gx, None, gw, None, None, None, None
+
+
+def fused_head_loss(c, x, target_x, valid):
+    """The loss op on lm_head(x) and lm_head(target_x), with one shared W, never making either [rows, vocab]
+    logits tensor (ops/catalog.py fused_head_loss; the rule fuse_heads_into_loss makes it)."""
+    from .costs import head_chunk
+
+    head = c.module("lm_head")
+    if head.bias is not None:
+        raise ValueError("fused_head_loss: the lm_head has a bias; the fused op computes x @ W.T only")
+    weight = head.weight
+    a, b, h = x.shape
+    kind = c.params["kind"]
+    chunk = int(c.params.get("chunk") or 0) or head_chunk(a * b, h, weight.shape[0])
+    w = row_weights(b, c.params["gamma"], valid)
+    x2, t2 = x.reshape(a * b, h), target_x.detach().reshape(a * b, h)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        total, hit = _FusedHeadLoss.apply(x2, t2, weight, w.reshape(-1), kind, chunk, (a, b))
+    else:
+        rows, hit, _, _ = head_loss_chunks(x2, t2, weight, w.reshape(-1), kind, chunk, False, False)
+        total = weighted_total(rows.view(a, b), w)
+    return {"loss": total, **loss_metrics(hit.view(a, b), valid)}

@@ -142,7 +142,7 @@ def _fingerprint(g: Graph) -> int:
 
 
 def _check_outputs_kept(old: Typed, new: Typed, rule: Rule) -> None:
-    """Every graph result keeps its type: a sink's outputs (the loss) and what it reads (an `output` sink has no
+    """Every graph result keeps its type: a sink's outputs (the loss), or what an `output` sink reads (it has no
     outputs: its input is the result). Rewrites never change what the graph computes."""
     from ..ops import registry
 
@@ -154,6 +154,8 @@ def _check_outputs_kept(old: Typed, new: Typed, rule: Rule) -> None:
                 nt = new.types.get(Ref(n.id, k))
                 if nt != t:
                     raise ContractBroken(f"rule {rule.name} changed result {n.id}.{k}: {t} -> {nt}")
+            if old.outputs_of(n.id):
+                continue   # a sink with outputs (the loss) is its outputs; a fused loss reads other tensors
             for port, t in old.inputs_of(n.id).items():
                 nt = new.types.get(new.graph[n.id].input(port))
                 if nt != t:

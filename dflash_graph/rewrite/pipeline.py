@@ -11,7 +11,7 @@ from ..analysis.infer import Typed, build, infer
 from ..analysis.memory import MemoryReport, analyze_memory, live_peaks
 from ..spec.loader import load_graph
 from .engine import Applied, rewrite
-from .rules import DEFAULT_TABLES
+from .rules import ALL_RULES, DEFAULT_TABLES
 
 
 @attrs.frozen
@@ -24,21 +24,33 @@ class Plan:
     rewritten: bool
 
 
+def tables_without(rules_off: Sequence[str] = ()):
+    """DEFAULT_TABLES without the named rules (`--without-rule`); an unknown name is bad input."""
+    from ..errors import GraphError, Location, Problem, did_you_mean
+
+    for name in rules_off:
+        if name not in ALL_RULES:
+            raise GraphError(Problem(f"unknown rule '{name}'{did_you_mean(name, list(ALL_RULES))}",
+                                     Location(path="--without-rule"), hint="rules: " + ", ".join(ALL_RULES)))
+    return [(p, [r for r in rules if r.name not in rules_off]) for p, rules in DEFAULT_TABLES]
+
+
 def compile_typed(typed: Typed, rewrite_graph: bool = True, expandable_segments: bool | None = None,
-                  verify: bool = False) -> Plan:
+                  verify: bool = False, rules_off: Sequence[str] = ()) -> Plan:
     spec = typed.ctx.spec
     alloc = AllocatorConfig(
         expandable_segments=spec.memory.expandable_segments if expandable_segments is None else expandable_segments,
         max_split_size_bytes=spec.memory.max_split_size)
     if not rewrite_graph:
         return Plan(typed, typed, (), analyze_memory(typed, alloc), None, False)
-    new, applied = rewrite(typed, DEFAULT_TABLES, live_peaks, verify=verify)
+    new, applied = rewrite(typed, tables_without(rules_off), live_peaks, verify=verify)
     before = analyze_memory(typed, alloc) if applied else None
     return Plan(typed, new, tuple(applied), analyze_memory(new, alloc), before, True)
 
 
 def compile_graph(path: str, overrides: Sequence[str] = (), rewrite: bool = True,
-                  expandable_segments: bool | None = None, verify: bool = False) -> Plan:
+                  expandable_segments: bool | None = None, verify: bool = False,
+                  rules_off: Sequence[str] = ()) -> Plan:
     spec = load_graph(path, overrides)
     graph, ctx = build(spec)
-    return compile_typed(infer(graph, ctx), rewrite, expandable_segments, verify)
+    return compile_typed(infer(graph, ctx), rewrite, expandable_segments, verify, rules_off)

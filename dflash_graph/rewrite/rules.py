@@ -278,10 +278,55 @@ TRANSFER_ROUND_TRIP = Rule("transfer_round_trip", "Traits.movement",
                            _transfer_round_trip)
 
 
+# -- linear heads into the loss that reads them ------------------------------------------------------------------
+
+def _fuse_heads(typed: Typed, node: Node) -> Replacement | None:
+    fuse = _op(node).traits.fuses_heads
+    if fuse is None:
+        return None
+    heads = []
+    for port in (fuse.student, fuse.target):
+        ref = node.input(port)
+        head = typed.graph[ref.node]
+        lin = _op(head).traits.linear_head
+        # the logits must be read by this node only: another reader would still need them made
+        if lin is None or ref.output != lin.output or head.model is None or not _sole_consumer(typed, ref, node.id):
+            return None
+        heads.append((head, lin))
+    (sh, sl), (th, tl) = heads
+    models = typed.ctx.models
+    # one weight: both heads project with the same component of the same model (the drafter shares the target's
+    # lm_head), so one W serves the teacher and the student inside one chunk loop
+    if models[sh.model].component_owner(sl.component) != models[th.model].component_owner(tl.component):
+        return None
+    x, tx = sh.input(sl.input), th.input(tl.input)
+    xt, txt = typed.types[x], typed.types[tx]
+    if not (sh.device == th.device == node.device) or xt.dtype != txt.dtype or xt.sizes != txt.sizes:
+        return None
+    into = registry.get(fuse.into)
+    hidden, vocab = xt.sizes[-1], typed.types[node.input(fuse.student)].sizes[-1]
+    rows = xt.numel // hidden
+    params = dict(fuse.params(node.params, rows, hidden, vocab)) if fuse.params else {}
+    passed = {p: r for p, r in node.inputs if p not in (fuse.student, fuse.target)}
+    inputs = {**passed, fuse.student_input: x, fuse.target_input: tx}
+    order = [p.name for p in into.input_ports(params, len(inputs))]
+    fused = Node(node.id, into.name, tuple((p, inputs[p]) for p in order), params, node.device, sh.model,
+                 spec_index=node.spec_index,
+                 note=f"fuse_heads_into_loss: {sh.id} and {th.id} (one {sl.component} weight) computed inside {node.id}")
+    return Replacement(remove=(sh.id, th.id, node.id), add=(fused,), touched=(node.id, sh.id, th.id))
+
+
+FUSE_HEADS = Rule("fuse_heads_into_loss", "Traits.fuses_heads + Traits.linear_head",
+                  "loss(x @ W.T, t @ W.T) = fused(x, t; W), computed chunk by chunk, when a loss that reads two logits "
+                  "row by row (target without gradient) is the only reader of two linear heads with one weight: "
+                  "neither [rows, vocab] logits tensor is made.", _fuse_heads)
+
+
 DEFAULT_TABLES: list[tuple[str, list[Rule]]] = [
     ("canonicalize", [DECOMPOSE]),
     ("drop_dead", [DROP_UNUSED]),
     ("push_selections", [GATHER_THROUGH_REMAP, GATHER_THROUGH_POSITIONWISE, DROP_UNUSED]),
+    ("fuse", [FUSE_HEADS]),
     ("cleanup", [TRANSFER_ROUND_TRIP, CSE, DROP_UNUSED]),
 ]
 

@@ -147,7 +147,8 @@ class Trainer:
                                          weight_decay=float(self.cfg["weight_decay"]))
             self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(self.cfg["warmup_steps"]),
                                                                                 self.steps))
-        self.loss_node = next(n.id for n in typed.graph.nodes if registry.get(n.op).name == "loss")
+        self.loss_node = next(n.id for n in typed.graph.nodes     # the loss op, or the fused op that replaced it
+                              if registry.get(n.op).traits.sink and "loss" in typed.outputs_of(n.id))
         self.start_step = 0
         if opts.resume is not None and self.is_writer:
             state, ck = checkpoint.load(opts.resume)
