@@ -13,12 +13,13 @@ def test_dot_before_and_after(in_repo, tmp_path, capsys):
     assert main(["draw", "graphs/qwen27b.toml", "-o", str(f)]) == 0
     dot = f.read_text()
     assert dot.startswith("digraph") and dot.count("subgraph") == 2 + 2 + 2   # 2 graphs, each with 2 placements
-    assert 'label="as written"' in dot and 'label="rewritten (10 rewrites)"' in dot
+    assert 'label="as written"' in dot and 'label="rewritten (11 rewrites)"' in dot
     assert "targets: gpu0..gpu6 (one replica each)" in dot and "gpu7 (cuda:7)" in dot
     # the edge into the roll as written: the 30 GiB logits, symbolic and concrete
     assert "logits: [seq, vocab]\\n[65,536, 248,320] bf16, 30.31 GiB" in dot
     assert "verifier_roll\\nroll\\nremoved by the rewrites\\nOOM here" in dot
-    assert "verifier_lm_head\\nlm_head (target)\\ngather_through_positionwise" in dot
+    assert "verifier_norm\\nnorm (target)\\ngather_through_positionwise" in dot
+    assert "loss\\nfused_head_loss (drafter)\\nfuse_heads_into_loss" in dot           # both heads inside the loss
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz not installed")

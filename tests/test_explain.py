@@ -9,7 +9,8 @@ def explain(capsys, *args):
 
 
 def test_explain_lm_head_after_the_rewrite(in_repo, capsys):
-    code, out = explain(capsys, "graphs/qwen27b.toml", "verifier_lm_head")
+    # without the fusion, which computes this head inside the loss (test below)
+    code, out = explain(capsys, "graphs/qwen27b.toml", "verifier_lm_head", "--without-rule", "fuse_heads_into_loss")
     text = out.out
     assert code == 0
     assert "contract (ops/catalog.py, op 'lm_head')" in text and "[*batch hidden]" in text
@@ -18,6 +19,13 @@ def test_explain_lm_head_after_the_rewrite(in_repo, capsys):
     assert "2*anchors*block*hidden*vocab" in text and f"{2 * 512 * 16 * 5120 * 248320:.3g}" in text
     assert "dflash_graph/ops/costs.py" in text and "PaLM appendix B" in text
     assert "gather_through_positionwise" in text and "legal by Traits.positionwise" in text
+
+
+def test_explain_a_head_the_fusion_removed(in_repo, capsys):
+    code, out = explain(capsys, "graphs/qwen27b.toml", "verifier_lm_head")
+    assert code == 0 and "removed by the rewrites" in out.out
+    assert "fuse/fuse_heads_into_loss on loss, drafter_lm_head, verifier_lm_head" in out.out
+    assert "legal by Traits.fuses_heads + Traits.linear_head" in out.out
 
 
 def test_explain_a_node_the_rewrites_removed(in_repo, capsys):

@@ -98,7 +98,7 @@ def test_busy_time_counts_forward_and_backward_flops_per_execution(in_repo):
             expected[n.device] += 2 * f          # two replicas
     assert step_flops(typed) == expected
     L = analyze_launch(typed)
-    assert L.devices["draft"].busy_seconds == pytest.approx(expected["draft"] / parse_rate("2 GFLOP/s"))
+    assert L.devices["draft"].busy_seconds == pytest.approx(expected["draft"] / parse_rate("5 GFLOP/s"))
 
 
 def test_check_names_the_27b_bottleneck(in_repo, capsys):
@@ -121,7 +121,7 @@ def test_without_a_throughput_busy_time_is_not_guessed(in_repo, capsys):
     from dflash_graph.analysis.infer import build, infer
     from dflash_graph.spec.loader import parse_graph
 
-    text = Path("graphs/tiny.toml").read_text().replace('throughput = "2 GFLOP/s"\n', "")
+    text = Path("graphs/tiny.toml").read_text().replace('throughput = "5 GFLOP/s"\n', "")
     L = analyze_launch(infer(*build(parse_graph(text, "graphs/tiny.toml", Path("graphs")))))
     assert L.bottleneck() is None and all(d.busy_seconds is None for d in L.devices.values())
 
@@ -148,7 +148,7 @@ def test_run_refuses_a_launch_it_cannot_run(in_repo, monkeypatch):
 
 
 def test_units():
-    assert parse_rate("400 TFLOP/s") == 4e14 and parse_rate("2 GFLOP/s") == 2e9
+    assert parse_rate("400 TFLOP/s") == 4e14 and parse_rate("5 GFLOP/s") == 5e9
     assert parse_bytes("256 MiB") == 256 * 2**20
     with pytest.raises(ValueError):
         parse_rate("-1 TFLOP/s")
