@@ -72,7 +72,7 @@ class Setup:
         self.last_hidden = torch.randn(self.T, self.H, generator=g, dtype=dt)
         anchors = torch.sort(torch.randperm(self.T - self.B, generator=g)[: self.A]).values
         self.index = anchors[:, None] + torch.arange(self.B)[None, :]                 # [A, B]
-        self.valid = torch.ones(self.A, dtype=torch.bool)
+        self.valid = torch.ones(self.A, self.B, dtype=torch.bool)                      # [A, B]: every slot scored
         self.dh = torch.randn(self.A, self.B, self.H, generator=g, dtype=dt).requires_grad_(True)
         self.kind, self.gamma = a.kind, 7.0
         self.chunk = a.chunk or costs.head_chunk(self.A * self.B, self.H, self.V)
