@@ -253,14 +253,22 @@ class Comm:
             for t in (t for t in self.incoming if t.replica == r):
                 buf = alloc(t)
                 bufs[t.node] = buf
-                works.append(dist.irecv(buf, src=t.src_rank))
+                works.append(self._p2p(dist.irecv, buf, t.src_rank, None, f"posting the receive of '{t.node}'"))
             for src in sorted({t.src_rank for t in self.incoming if t.replica == r}):
                 h = torch.zeros(HEADER, dtype=torch.float64)
                 headers[src] = h
-                works.append(dist.irecv(h, src=src, group=self.ctrl) if self.ctrl is not dist.group.WORLD
-                             else dist.irecv(h, src=src))
+                works.append(self._p2p(dist.irecv, h, src, self.ctrl, f"posting the receive of a header"))
             fut = self.pool.submit(self._complete, works)
             self._posted.append(((step, a, r), fut, bufs, headers))
+
+    def _p2p(self, op, tensor: torch.Tensor, peer: int, group, what: str):
+        """Start an isend/irecv; a peer already gone makes gloo raise at once, which is a lost rank too."""
+        try:
+            if group is None or group is dist.group.WORLD:
+                return op(tensor, peer)
+            return op(tensor, peer, group=group)
+        except Exception as e:
+            raise self._lost(peer, f"{what} failed on rank {self.rank} ({_short(e)})") from None
 
     def _complete(self, works) -> None:
         """Runs in a pool thread. On NCCL, Work.wait() only orders the compute stream after the transfer; the
@@ -295,14 +303,14 @@ class Comm:
     def send(self, x: torch.Tensor, t: CrossTransfer) -> None:
         if not x.is_contiguous():
             x = x.contiguous()      # staging copy; every op in the catalog returns contiguous tensors
-        work = dist.isend(x, dst=t.dst_rank)
+        work = self._p2p(dist.isend, x, t.dst_rank, None, f"sending '{t.node}'")
         self._watch(self.pool.submit(self._complete, [work]), t.dst_rank, f"sending '{t.node}' of replica {t.replica} to rank "
                     f"{t.dst_rank}")
 
     def send_header(self, step: int, a: int, r: int, busy: float, wait: float) -> None:
         for dst in sorted({t.dst_rank for t in self.outgoing if t.replica == r}):
             h = torch.tensor([step, a, r, busy, wait], dtype=torch.float64)
-            work = dist.isend(h, dst=dst, group=self.ctrl) if self.ctrl is not dist.group.WORLD else dist.isend(h, dst=dst)
+            work = self._p2p(dist.isend, h, dst, self.ctrl, "sending a header")
             self._watch(self.pool.submit(self._complete, [work]), dst, f"the header of replica {r} to rank {dst}")
 
     # -- small control messages (setup and the end) ------------------------------------------------------------

@@ -352,11 +352,15 @@ class Trainer:
         except Stop:
             interrupted = True
         except Exception as e:
-            from ..exec.distributed import RankLost
+            from ..exec.distributed import RankLost, _short
 
-            if not isinstance(e, RankLost):
+            if isinstance(e, RankLost):
+                lost = e
+            elif self.comm is not None and isinstance(e, RuntimeError) and any(
+                    w in str(e) for w in ("Connection", "gloo", "NCCL", "closed by peer")):
+                lost = self.comm._lost(None, f"a collective failed ({_short(e)})")   # a peer went away mid-op
+            else:
                 raise
-            lost = e
         finally:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
