@@ -99,7 +99,7 @@ class Trainer:
 
             check_launch(typed, self.launch, writer_ranks)
             by_rank = {k: self.launch.rank_devices(k) for k in range(self.launch.world_size)}
-            self.tdev = torch_devices(spec, opts.device_map, only=by_rank[int(__import__("os").environ["RANK"])])
+            self.tdev = torch_devices(spec, opts.device_map, only=by_rank[int(os.environ["RANK"])])
             self.comm = Comm(self.launch, by_rank, spec.launch.stall_timeout, lambda d: self.tdev[d])
             self.rank = self.comm.rank
             local = frozenset(by_rank[self.rank])
