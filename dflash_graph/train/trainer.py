@@ -72,6 +72,11 @@ def _set_threads(threads: int, tdev: dict[str, str]) -> None:
     torch.set_num_threads(threads)
 
 
+def _data_sources(typed) -> list:
+    """The nodes that read the data loader: sources (no inputs) that are not pure (token_input), by trait."""
+    return [n for n in typed.graph.nodes if not n.inputs and registry.get(n.op).traits.pure is False]
+
+
 class Stop(Exception):
     """Ctrl-C under torchrun: every rank stops at its next node; the writer keeps the last completed step."""
 
@@ -114,7 +119,7 @@ class Trainer:
         # token_input runs in this process; the held-out split where the whole graph runs in this process
         # (held-out evaluation is single-process for now)
         base = Path(spec.data.get("_base", "."))
-        token_nodes = [n for n in typed.graph.nodes if registry.get(n.op).traits.pure is False and not n.inputs]
+        token_nodes = _data_sources(typed)
         self.shards: dict[int, PackedData] = {}
         self.held = None
         here = set(local) if local is not None else set(spec.devices)
@@ -176,7 +181,7 @@ class Trainer:
 
     def _seq_len(self) -> int:
         typed = self.plan.typed
-        n = next(n for n in typed.graph.nodes if n.op == "token_input")
+        n = _data_sources(typed)[0]
         return typed.outputs_of(n.id)["input_ids"].sizes[0]
 
     def _on_node(self, node: str, r: int) -> None:
