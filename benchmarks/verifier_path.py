@@ -184,7 +184,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--kind", default="kl", choices=("ce", "kl", "rkl", "jsd", "tv"))
     ap.add_argument("--chunk", type=int, default=0, help="fused rows per chunk (0: Liger's rule, ops/costs.head_chunk)")
-    ap.add_argument("--loss-chunk", type=int, default=1024, help="the loss op's chunk (its default)")
+    ap.add_argument("--loss-chunk", type=int, default=0, help="the loss op's chunk (0: its default, ops/costs.loss_chunk)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave torch's default)")

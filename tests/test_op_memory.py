@@ -67,23 +67,27 @@ def test_lm_head():
     assert abs(got - want) / want < 0.10, (got, want)
 
 
-@pytest.mark.parametrize("kind", ["kl", "ce"])
-@pytest.mark.parametrize("chunk", [64, 1024])
-def test_loss_forward(kind, chunk):
+@pytest.mark.parametrize("kind", ["ce", "kl", "rkl", "jsd", "tv"])
+@pytest.mark.parametrize("chunk", [64, 0, 1024])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_loss_forward(kind, chunk, grad, dtype):
+    """costs.loss (its program's peak, plus the gradient it keeps when autograd records it) against MemTracker
+    running the loss op forward, where it makes that gradient: within 10%, every kind."""
     a, b, v = 32, 8, 3000
-    logits = torch.randn(a, b, v, dtype=torch.bfloat16)
-    target = torch.randn(a, b, v, dtype=torch.bfloat16)
+    logits = torch.randn(a, b, v, dtype=dtype).requires_grad_(grad)
+    target = torch.randn(a, b, v, dtype=dtype)
     valid = torch.ones(a, b, dtype=torch.bool)
+    valid[-3:] = False
     params = {"kind": kind, "gamma": 7.0, "chunk": chunk}
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         got = measure(lambda: torch_impl.loss(ctx(params), logits, target, valid), logits, target, valid)
     node = Node("loss", "loss", (), params)
-    want = predicted(costs.loss, node, {"logits": logits, "target": target, "valid": valid},
-                     {"loss": torch.zeros(()), "slot_acc": torch.zeros(b), "accepted": torch.zeros(b)})
-    # the formula bounds the chunk temporaries by the worst kind (kl); ce needs fewer
-    assert got <= want * 1.10, (got, want)
-    if kind == "kl":
-        assert abs(got - want) / want < 0.10, (got, want)
+    cost = costs.loss(costs.CostContext(node, {"logits": tt(logits), "target": tt(target), "valid": tt(valid)},
+                                        {"loss": tt(torch.zeros(())), "slot_acc": tt(torch.zeros(b)),
+                                         "accepted": tt(torch.zeros(b))}, None, dtype.itemsize, grad))
+    want = costs.program_peak(cost.program) + cost.saved_bytes
+    assert abs(got - want) / want < 0.10, (got, want)
 
 
 @pytest.mark.parametrize("docs", [1, 2])

@@ -297,8 +297,9 @@ register(OpDef(
                   choices=("ce", "kl", "rkl", "jsd", "tv")),
             Param("gamma", "float", "Per-slot decay exp(-(k-1)/gamma); above 0.", default=7.0, low=0,
                   open_low=True, high=1e6),
-            Param("chunk", "int", "Rows of [anchors*block, vocab] processed at once (recomputed in backward).",
-                  default=1024, low=1)),
+            Param("chunk", "int", "Rows of [anchors*block, vocab] scored at once, their gradient made in forward; "
+                  "0: a power of two near rows / 32, at least 32 (ops/costs.loss_chunk).",
+                  default=0, low=0)),
     traits=Traits(sink=True, pure=False,
                   fuses_heads=FusesHeads("logits", "target", "fused_head_loss", "x", "target_x",
                                          params=lambda p, rows, hidden, vocab: {

@@ -243,31 +243,54 @@ def drafter_forward(c: CostContext) -> NodeCost:
 
 
 def loss(c: CostContext) -> NodeCost:
-    # ops/torch_impl.loss works on `chunk` rows of [anchors*block, vocab] at a time and recomputes each chunk in
-    # backward (activation checkpointing), so only one chunk's fp32 temporaries exist at once. For KL, in order:
-    # upcast of the student chunk (freed after) and its log_softmax, the same for the target, then exp, the
-    # difference and the product: 5 fp32 [chunk, vocab] tensors at the peak (tests/test_op_memory.py measures
-    # it with MemTracker; ce/rkl/jsd/tv need at most as many). Backward of a chunk
-    # adds the chunk's gradient (fp32) and the [chunk, vocab] grad in the logits dtype is written into one
-    # full-size gradient of the logits (counted by the analysis as the input's gradient).
+    # ops/torch_impl.loss_chunks, in allocation order: when autograd records the node, the gradient with respect to
+    # the logits ([rows, vocab] in their dtype, made chunk by chunk in forward and kept for backward: saved_bytes;
+    # the logits and the target are not saved, so they die after forward); the per-row losses and hits ([rows]);
+    # then per chunk _chunk_loss's fp32 buffers (LOSS_CHUNK_BUFFERS, measured), freed before the next chunk
+    # (chunk_grad, which runs after it, holds fewer). Backward only scales the kept gradient into the logits'
+    # gradient (counted by the analysis). Measured with MemTracker by tests/test_op_memory.py.
     x = c.inputs["logits"]
     v = x.sizes[-1]
     rows = x.numel // v
-    chunk = min(int(c.node.params.get("chunk", 1024)), rows)
-    ws = 5 * chunk * v * 4
-    return NodeCost(workspace_bytes=ws, flops=12 * x.numel, saved_inputs=("logits", "target") if c.grad else ())
+    chunk = min(int(c.node.params.get("chunk") or 0) or loss_chunk(rows), rows)
+    width = x.nbytes // max(x.numel, 1)
+    cd = max(width, 4)
+    same, upcast = LOSS_CHUNK_BUFFERS[c.node.params.get("kind", "kl")]
+    n = same if width >= 4 else upcast
+    per_row = rows * cd + rows          # losses and hits
+    program = (("alloc", "rows", per_row), ("alloc", "chunk", n * chunk * v * cd), ("free", "chunk", 0),
+               *(("alloc", f"out:{k}", t.nbytes) for k, t in c.outputs.items()), ("free", "rows", 0))
+    return NodeCost(saved_bytes=x.nbytes if c.grad else 0, flops=12 * x.numel, program=program)
 
 
-MIN_CHUNK_ROWS = 64
+# NOTE [Chunk floor]: both chunked ops floor their chunk at 32 rows. Below it a chunk's GEMMs (a [2c, hidden] by
+# [hidden, vocab] product in the fused op, one read of W for both heads) fall off the CPU's and GPU's efficient
+# shapes, and per-chunk overhead grows; above it the chunk's [chunk, vocab] buffers grow. Measured by
+# benchmarks/verifier_path.py (V 62,080, 1,024 rows, one thread): fused at 32 rows 0.88x the pushdown's time,
+# at 64 rows 0.99x, with 14.3x and 7.4x less peak memory.
+MIN_CHUNK_ROWS = 32
+LOSS_CHUNK_SHARE = 32
+
+
+def loss_chunk(rows: int) -> int:
+    """Rows per chunk for the loss op when its `chunk` param is 0: a power of two near rows / LOSS_CHUNK_SHARE,
+    so that the chunk's fp32 buffers (at most six [chunk, vocab], LOSS_CHUNK_BUFFERS) stay under a fifth of one
+    fp32 [rows, vocab] logits tensor, which the op's inputs and its kept gradient already are (three of them);
+    floored at MIN_CHUNK_ROWS rows (NOTE [Chunk floor]), capped at the rows there are. 1,024 rows -> 32;
+    qwen27b.toml's 8,192 -> 256. (A chunk of all 1,024 rows at V 62,080 also ran 9x slower on one CPU thread
+    than 64-row chunks: five fresh 243 MiB buffers per pass.)"""
+    c = max(1, rows // LOSS_CHUNK_SHARE)
+    return max(1, min(max(1 << (c.bit_length() - 1), MIN_CHUNK_ROWS), rows))
 
 
 def head_chunk(rows: int, hidden: int, vocab: int) -> int:
     """Rows per chunk for fused_head_loss when its `chunk` param is 0: Liger Kernel's rule, which keeps a
     [chunk, vocab] block about the size of the [rows, hidden] input (liger_kernel/ops/fused_linear_jsd.py and
     fused_linear_cross_entropy.py: inc_factor = cdiv(V, H); chunk_size = next_power_of_2(cdiv(BT, inc_factor))),
-    with a floor of MIN_CHUNK_ROWS rows, capped at the rows there are. The floor: every chunk's three GEMMs read
-    all of W, so a chunk of a few rows (the rule gives 2 at 1,024 rows, H 256, V 248,320) re-reads W hundreds of
-    times; Liger's current code floors at 512 rows under a 2 GiB budget for four fp32 [chunk, V] buffers.
+    with a floor of MIN_CHUNK_ROWS rows, capped at the rows there are. The floor (NOTE [Chunk floor]): every
+    chunk's GEMMs read all of W, so a chunk of a few rows (the rule gives 2 at 1,024 rows, H 256, V 248,320)
+    re-reads W hundreds of times; Liger's current code floors at 512 rows under a 2 GiB budget for four fp32
+    [chunk, V] buffers.
     qwen27b.toml: 8,192 rows, H 5,120, V 248,320 -> cdiv 49 -> 168 -> 256."""
     inc = -(-vocab // hidden)
     c = -(-rows // inc)

@@ -12,7 +12,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 
 def token_input(c) -> dict[str, Tensor]:
@@ -150,30 +149,6 @@ def _chunk_loss(kind: str, s: Tensor, t: Tensor) -> Tensor:
     raise ValueError(kind)
 
 
-class _ChunkDivergence(torch.autograd.Function):
-    """KL(p_t || p_s) or cross-entropy on the target's argmax for one chunk of rows, with a closed-form backward:
-    d/ds = p_s - q (q = p_t for KL, one-hot(argmax t) for CE). Saves only its inputs, like checkpointing would,
-    without recomputing the forward in backward."""
-
-    @staticmethod
-    def forward(ctx, s: Tensor, t: Tensor, kind: str) -> Tensor:
-        ctx.save_for_backward(s, t)
-        ctx.kind = kind
-        with torch.no_grad():
-            return _chunk_loss(kind, s, t)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        s, t = ctx.saved_tensors
-        ps = torch.softmax(_up(s), dim=-1)
-        if ctx.kind == "kl":
-            ps.sub_(torch.softmax(_up(t), dim=-1))
-        else:
-            ps.scatter_add_(-1, t.argmax(-1, keepdim=True),
-                            torch.full((ps.shape[0], 1), -1.0, device=ps.device, dtype=ps.dtype))
-        return (ps.mul_(g[:, None])).to(s.dtype), None, None
-
-
 def acceptance_counts(hit: Tensor, valid: Tensor) -> Tensor:
     """float32 [B]: entry k counts the real anchors whose slots 1..k were all drafted as the verifier's argmax
     (entry 0: the real anchors). Greedy verification accepts exactly that run, so the mean acceptance length is
@@ -218,27 +193,25 @@ def loss_metrics(hit: Tensor, valid: Tensor) -> dict[str, Tensor]:
 
 
 def loss(c, logits, target, valid):
-    """Decayed per-slot loss over scored slots (`valid` [A, B]), computed `chunk` rows at a time; each chunk is
-    recomputed in backward (torch.utils.checkpoint), so only one chunk's [chunk, vocab] fp32 temporaries ever
-    exist. Also per-slot accuracy and the acceptance counts of greedy verification (`acceptance_counts`)."""
+    """Decayed per-slot loss over scored slots (`valid` [A, B]), computed `chunk` rows at a time (0: the memory
+    model's default, ops/costs.loss_chunk), so only one chunk's [chunk, vocab] fp32 temporaries ever exist. When
+    autograd records it, the gradient with respect to the logits is made chunk by chunk in forward (chunk_grad)
+    and kept, in the logits' dtype; neither the logits nor the target are saved, so both die after forward, and
+    backward recomputes nothing. Also per-slot accuracy and the acceptance counts of greedy verification
+    (`acceptance_counts`)."""
+    from .costs import loss_chunk
+
     a, b, v = logits.shape
-    kind, chunk = c.params["kind"], max(1, min(int(c.params.get("chunk", 1024)), a * b))
-    target = target.detach()
+    kind = c.params["kind"]
+    chunk = max(1, min(int(c.params.get("chunk") or 0) or loss_chunk(a * b), a * b))
     w = row_weights(b, c.params["gamma"], valid)   # [A, B]
-    s2, t2 = logits.reshape(a * b, v), target.reshape(a * b, v)
-    per_row, hits = [], []
-    for i in range(0, a * b, chunk):
-        si, ti = s2[i:i + chunk], t2[i:i + chunk]
-        if torch.is_grad_enabled() and si.requires_grad:
-            if kind in ("kl", "ce"):
-                per_row.append(_ChunkDivergence.apply(si, ti, kind))
-            else:
-                per_row.append(checkpoint(_chunk_loss, kind, si, ti, use_reentrant=False))
-        else:
-            per_row.append(_chunk_loss(kind, si, ti))
-        hits.append(chunk_hits(si, ti))
-    rows = torch.cat(per_row).view(a, b)
-    return {"loss": weighted_total(rows, w), **loss_metrics(torch.cat(hits).view(a, b), valid)}
+    s2, t2 = logits.reshape(a * b, v), target.detach().reshape(a * b, v)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        total, hit = _ChunkedLoss.apply(s2, t2, w.reshape(-1), kind, chunk, (a, b))
+    else:
+        rows, hit, _ = loss_chunks(s2, t2, w.reshape(-1), kind, chunk, False)
+        total = weighted_total(rows.view(a, b), w)
+    return {"loss": total, **loss_metrics(hit.view(a, b), valid)}
 
 
 # -- the verifier head, the drafter head and the loss in one chunked node ----------------------------------------
@@ -274,6 +247,58 @@ def chunk_grad(kind: str, s: Tensor, t: Tensor) -> Tensor:
     return d.mul_(p)
 
 
+def _score_chunk(kind: str, s: Tensor, t: Tensor, rows: Tensor, hit: Tensor, wn: Tensor | None) -> Tensor | None:
+    """One chunk of the loss: its per-row losses and hits written into `rows` and `hit` (views of the whole), and,
+    when `wn` (the chunk's rows' d loss / d row) is given, the gradient of the loss with respect to `s` in fp32
+    (or fp64), [chunk, V]. The loss op and the fused op both score their chunks here."""
+    rows.copy_(_chunk_loss(kind, s, t))
+    hit.copy_(chunk_hits(s, t))
+    if wn is None:
+        return None
+    return chunk_grad(kind, s, t).mul_(wn[:, None].to(rows.dtype))
+
+
+def _row_grads(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """d weighted_total / d rows, as autograd makes it: the row weights over their sum."""
+    return w.to(dtype) / w.sum().clamp_min(1e-9)
+
+
+def loss_chunks(s: Tensor, t: Tensor, w: Tensor, kind: str, chunk: int, grad: bool):
+    """The loss op's work on logits s, t [R, V] with row weights w [R], `chunk` rows at a time: the per-row
+    losses [R], the per-row hits [R] and, when asked, the gradient of the weighted mean with respect to s
+    ([R, V] in s's dtype, written chunk by chunk)."""
+    r = s.shape[0]
+    rows = torch.empty(r, dtype=torch.promote_types(s.dtype, torch.float32), device=s.device)
+    hit = torch.empty(r, dtype=torch.bool, device=s.device)
+    gs = torch.empty_like(s) if grad else None
+    wn = _row_grads(w, rows.dtype) if grad else None
+    with torch.no_grad():
+        for i in range(0, r, chunk):
+            j = slice(i, i + chunk)
+            ds = _score_chunk(kind, s[j], t[j], rows[j], hit[j], None if wn is None else wn[j])
+            if ds is not None:
+                gs[j].copy_(ds)
+                del ds
+    return rows, hit, gs
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """The loss op when autograd records it (loss_chunks): the gradient with respect to the logits is made in
+    forward and kept; the logits and the target are not saved. Backward only scales the kept gradient."""
+
+    @staticmethod
+    def forward(ctx, s, t, w, kind, chunk, shape):
+        rows, hit, gs = loss_chunks(s, t, w, kind, chunk, True)
+        ctx.save_for_backward(gs)       # freed by autograd after backward (kept only under retain_graph)
+        ctx.mark_non_differentiable(hit)
+        return weighted_total(rows.view(shape), w.view(shape)), hit
+
+    @staticmethod
+    def backward(ctx, g, _hit):
+        (gs,) = ctx.saved_tensors
+        return gs * g.to(gs.dtype), None, None, None, None, None
+
+
 def head_loss_chunks(x: Tensor, tx: Tensor, weight: Tensor, w: Tensor, kind: str, chunk: int,
                      grad_x: bool, grad_w: bool):
     """The loss of student logits x @ W.T against target logits tx @ W.T, `chunk` rows at a time, without ever
@@ -288,26 +313,26 @@ def head_loss_chunks(x: Tensor, tx: Tensor, weight: Tensor, w: Tensor, kind: str
     gx = torch.empty_like(x) if grad_x else None
     gw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                      device=weight.device) if grad_w else None
-    wn = w.to(rows.dtype) / w.sum().clamp_min(1e-9)   # d weighted_total / d rows, as autograd makes it
+    wn = _row_grads(w, rows.dtype) if grad_x or grad_w else None
     with torch.no_grad():
         for i in range(0, r, chunk):
-            xi = x[i:i + chunk]
-            s = F.linear(xi, weight)                    # [c, V]: the drafter's logits for these rows
-            t = F.linear(tx[i:i + chunk], weight)       # [c, V]: the verifier's
-            rows[i:i + chunk] = _chunk_loss(kind, s, t)
-            hit[i:i + chunk] = chunk_hits(s, t)
-            if gx is not None or gw is not None:
-                ds = chunk_grad(kind, s, t).mul_(wn[i:i + chunk, None].to(rows.dtype))
-                del t
+            j = slice(i, i + chunk)
+            xi = x[j]
+            c = xi.shape[0]
+            st = F.linear(torch.cat([xi, tx[j]]), weight)   # [2c, V]: one GEMM reads W once for both heads
+            s, t = st[:c], st[c:]                       # the drafter's logits for these rows, the verifier's
+            ds = _score_chunk(kind, s, t, rows[j], hit[j], None if wn is None else wn[j])
+            del t
+            if ds is not None:
                 ds = ds.to(s.dtype)                     # as the loss op's backward hands it to lm_head's
-                del s
+                del s, st
                 if gx is not None:
-                    torch.mm(ds, weight, out=gx[i:i + chunk])
+                    torch.mm(ds, weight, out=gx[j])
                 if gw is not None:
                     gw.addmm_(ds.t().to(gw.dtype), xi.to(gw.dtype))
                 del ds
             else:
-                del s, t
+                del s, st
     return rows, hit, gx, gw
 
 
@@ -320,16 +345,16 @@ class _FusedHeadLoss(torch.autograd.Function):
     def forward(ctx, x, tx, weight, w, kind, chunk, shape):
         rows, hit, gx, gw = head_loss_chunks(x, tx, weight, w, kind, chunk, ctx.needs_input_grad[0],
                                              ctx.needs_input_grad[2])
-        ctx.gx, ctx.gw = gx, gw
+        ctx.save_for_backward(gx, gw)   # freed by autograd after backward (kept only under retain_graph)
         total = weighted_total(rows.view(shape), w.view(shape))
         ctx.mark_non_differentiable(hit)
         return total, hit
 
     @staticmethod
     def backward(ctx, g, _hit):
-        gx = None if ctx.gx is None else ctx.gx * g.to(ctx.gx.dtype)
-        gw = None if ctx.gw is None else (ctx.gw * g).to(ctx.gw.dtype)
-        ctx.gx = ctx.gw = None
+        gx, gw = ctx.saved_tensors
+        gx = None if gx is None else gx * g.to(gx.dtype)
+        gw = None if gw is None else (gw * g).to(gw.dtype)
         return gx, None, gw, None, None, None, None
 
 
