@@ -46,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--verify", action="store_true", help="re-check every contract before and after each rewrite pass")
     c.add_argument("--device-map", action="append", default=[], metavar="FROM=TO",
                    help="predict for remapped torch devices, as run would use them, e.g. 'cuda:*=cpu' (repeatable)")
+    c.add_argument("--host-memory", metavar="SIZE", help="the memory of the host the CPU devices share, e.g. 512GiB "
+                                                         "(default: [memory] host_memory, else MemAvailable here)")
     c.add_argument("--max", metavar="DIM", help="the largest value of a dim for which every device fits, e.g. "
                                                 "--max dims.seq (the live bytes solved, the allocator replayed)")
     c.add_argument("--memory-snapshot", metavar="FILE.pickle",
@@ -86,6 +88,8 @@ def parser() -> argparse.ArgumentParser:
                         "train.grad_clip (repeatable)")
     r.add_argument("--device-map", action="append", default=[], metavar="FROM=TO",
                    help="remap torch devices, e.g. 'cuda:*=cpu' (repeatable)")
+    r.add_argument("--host-memory", metavar="SIZE", help="the memory of the host the CPU devices share, e.g. 512GiB "
+                                                         "(default: [memory] host_memory, else MemAvailable here)")
     r.add_argument("--strict", action="store_true", help="check every node's tensors against its contract at run time")
     r.add_argument("--force", action="store_true", help="run even if check predicts an OOM")
     r.add_argument("--no-rewrite", action="store_true", help="run the graph exactly as written")
