@@ -152,7 +152,38 @@ def _unknown_flags(ap: argparse.ArgumentParser, argv: Sequence[str] | None, unkn
     return 2
 
 
+# The exit status of a command whose reader went away (`dflash-graph check G | head -1`): what a shell reports for
+# a program ended by SIGPIPE, 128 + 13. Not 1, which `check` uses for a predicted OOM.
+EXIT_CLOSED_PIPE = 141
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout closed the pipe: end quietly, as a program killed by SIGPIPE would. stdout is pointed
+    at /dev/null so that the interpreter's last flush at exit does not fail again and print "Exception ignored"
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):   # stdout is not a file descriptor (captured, replaced)
+        pass
+    return EXIT_CLOSED_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The entry point: every command's output ends quietly when its reader closes the pipe."""
+    try:
+        try:
+            return _main(argv)
+        finally:   # what is still buffered goes out now, where a closed pipe can be caught (not at exit)
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     ap = parser()
     args, unknown = ap.parse_known_args(argv)
     if unknown:
@@ -188,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # the reader of the output went away: main ends quietly
+        raise
     except OSError as e:   # the environment, not the graph: a path that cannot be read or written
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
         print(f"error:{where}: {e.strerror or e}", file=sys.stderr)
