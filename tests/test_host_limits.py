@@ -153,3 +153,20 @@ def test_run_without_torch_is_usage_error_with_hint(in_repo, capsys, monkeypatch
     assert "`run` needs torch, which is not installed (check works without it)" in got.err
     assert 'pip install torch && pip install -e ".[run]"' in got.err
     assert "Traceback" not in got.err
+
+
+def test_max_counts_the_host(in_repo, host_24gib):
+    """check --max: the largest seq at which the CPU devices fit the host together, confirmed by check itself."""
+    from dflash_graph.cli.whatif import max_for_graph, render_max
+    from dflash_graph.rewrite.pipeline import compile_graph
+
+    r = max_for_graph("graphs/tiny.toml", ["memory.host_memory=64MiB"], "dims.seq")
+    assert r.value is not None and r.confirmed and r.next_oom is None
+    assert r.next_host is not None and r.next_host.need_bytes > 64 * 2**20
+    assert f"at seq={r.value + 1:,}: OOM on host memory: the CPU devices need" in render_max(r)
+    assert r.to_json()["next"]["host"]["available_bytes"] == 64 * 2**20
+
+    def at(v):
+        return compile_graph("graphs/tiny.toml", ["memory.host_memory=64MiB", f"dims.seq={v}"]).memory
+
+    assert at(r.value).fits and not at(r.value + 1).fits and at(r.value + 1).ooms == []
