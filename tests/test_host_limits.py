@@ -103,13 +103,14 @@ def test_bad_host_memory_names_the_flag(in_repo, capsys, size):
 
 @pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETPIPE_SZ"), reason="needs Linux's F_SETPIPE_SZ")
 @pytest.mark.parametrize("cmd", [["check", "graphs/tiny.toml"], ["check", "graphs/tiny.toml", "--json"],
-                                 ["plan", "graphs/tiny.toml"], ["explain", "graphs/tiny.toml", "loss"]])
+                                 ["check", "graphs/qwen27b.toml"], ["plan", "graphs/qwen27b.toml"]])
 def test_closed_pipe_ends_quietly(in_repo, cmd):
     """`dflash-graph check G | head -1`: one line read, the pipe closed; no message, no traceback."""
     import fcntl
 
     r, w = os.pipe()
-    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)     # smaller than every output here: the writer blocks until...
+    # 4 KiB, smaller than each of these outputs (over 4.4 KiB): the writer blocks until...
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
     env = {**os.environ, "PYTHONPATH": str(in_repo), "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "dflash_graph", *cmd], stdout=w, stderr=subprocess.PIPE, env=env)
     os.close(w)
@@ -170,3 +171,32 @@ def test_max_counts_the_host(in_repo, host_24gib):
         return compile_graph("graphs/tiny.toml", ["memory.host_memory=64MiB", f"dims.seq={v}"]).memory
 
     assert at(r.value).fits and not at(r.value + 1).fits and at(r.value + 1).ooms == []
+
+
+def test_resume_accepts_other_memory_figures(in_repo, tmp_path):
+    """A CPU-mapped device's capacity is this host's available memory, which differs between invocations: a resume
+    does not call that a changed graph (a changed dim still is)."""
+    from dflash_graph.errors import GraphError
+    from dflash_graph.spec.loader import load_graph
+    from dflash_graph.train import rundir
+
+    old = load_graph("graphs/qwen27b.toml", ["devices.gpu0.torch=cpu", "devices.gpu0.capacity=20GiB",
+                                             "devices.gpu0.outside_allocator=0"])
+    rundir.record(tmp_path, old, ["dflash-graph", "run"], [], resumed=False)
+    new = load_graph("graphs/qwen27b.toml", ["devices.gpu0.torch=cpu", "devices.gpu0.capacity=21GiB",
+                                             "devices.gpu0.outside_allocator=0", "memory.host_memory=1TiB"])
+    rundir.check_resume(tmp_path, new, [])
+    with pytest.raises(GraphError, match="dims.seq"):
+        rundir.check_resume(tmp_path, load_graph("graphs/qwen27b.toml", ["devices.gpu0.torch=cpu",
+                                                                          "dims.seq=4096"]), [])
+
+
+def test_run_does_not_record_the_host_figure_as_a_set_flag(in_repo, tmp_path, capsys):
+    pytest.importorskip("torch")
+    out = tmp_path / "r"
+    assert main(["run", "graphs/tiny.toml", "--no-progress", "--steps", "1", "--out", str(out),
+                 "--host-memory", "20MiB"]) == 1           # the three CPU devices need about 26 MiB together
+    got = capsys.readouterr()
+    assert "OOM on host memory: the CPU devices t0..draft (3 devices) need" in got.err
+    assert "refusing to run: check predicts an OOM" in got.err
+    assert "host memory: the CPU devices t0..draft (3 devices) share it" in got.out

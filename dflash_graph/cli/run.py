@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..rewrite.pipeline import compile_graph
@@ -45,7 +46,7 @@ def _host_overrides(args) -> list[str]:
     return [f"memory.host_memory={n}"]
 
 
-def _mapped_overrides(args) -> list[str]:
+def _mapped_overrides(args, extra: Sequence[str] = ()) -> list[str]:
     """--device-map rewrites the devices' torch names before check runs, so the prediction is for the devices the
     run will use (a CUDA graph mapped to CPU is predicted without the caching allocator). A device that moves from
     a GPU to the CPU takes the host's memory as its capacity (the GPU's capacity and its CUDA context outside the
@@ -59,7 +60,7 @@ def _mapped_overrides(args) -> list[str]:
     mapping = parse_device_map(args.device_map)
     if not mapping:
         return []
-    spec = load_graph(args.graph, args.overrides)
+    spec = load_graph(args.graph, [*args.overrides, *extra])
     host = None
     out = []
     for name, dev in spec.devices.items():
@@ -93,8 +94,8 @@ def cmd_run(args) -> int:
     distributed = under_torchrun()
     # under torchrun every rank checks the same graph and reaches the same verdict; rank 0 prints it
     talk = not distributed or os.environ.get("RANK") == "0"
-    args.overrides = [*args.overrides, *_host_overrides(args)]
-    plan = compile_graph(args.graph, [*args.overrides, *_mapped_overrides(args)], rewrite=not args.no_rewrite,
+    host = _host_overrides(args)   # not recorded with the --set flags in run.json: a figure of this host
+    plan = compile_graph(args.graph, [*args.overrides, *host, *_mapped_overrides(args, host)], rewrite=not args.no_rewrite,
                          rules_off=args.rules_off)
     spec = plan.typed.ctx.spec
     if talk:
