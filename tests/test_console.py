@@ -46,9 +46,14 @@ def test_plan_emit_never_overwrites_its_input(in_repo, tmp_path, capsys):
 
 
 def test_check_device_map(in_repo, capsys):
-    assert main(["check", "graphs/qwen27b.toml", "--device-map", "cuda:*=cpu", "--json"]) == 0
+    # the eight CPU devices share the host: on a host declared with 1 TiB they fit (594 GiB together); on a smaller
+    # host they do not (tests/test_host_limits.py)
+    assert main(["check", "graphs/qwen27b.toml", "--device-map", "cuda:*=cpu", "--host-memory", "1TiB",
+                 "--json"]) == 0
     js = json.loads(capsys.readouterr().out)
     assert all(d["torch"] == "cpu" and d["reserved_peak_bytes"] == d["peak_bytes"] for d in js["devices"].values())
+    assert all(d["capacity_bytes"] == 2**40 for d in js["devices"].values())
+    assert js["host"]["fits"] and js["host"]["available_bytes"] == 2**40
 
 
 def test_no_color_and_pipes_are_plain(in_repo, capsys, monkeypatch):

@@ -89,13 +89,65 @@ class DeviceMemory:
 
 
 @attrs.frozen
-class MemoryReport:
-    devices: Mapping[str, DeviceMemory]
-    allocator: AllocatorConfig
+class HostMemory:
+    """The CPU devices' shared pool: every device whose torch is `cpu` allocates from the host's memory, so their
+    peaks are added up (a safe bound: the devices' schedules are not aligned in time, so the peak of the sum is not
+    known, and it is at most the sum of the peaks)."""
+    devices: tuple[str, ...]
+    need_bytes: int              # the sum of the CPU devices' allocated peaks
+    available_bytes: int | None  # None: neither declared nor readable on this host
+    source: str                  # where available_bytes comes from: "declared", "MemAvailable", "sysconf", "unknown"
 
     @property
     def fits(self) -> bool:
-        return all(d.oom is None for d in self.devices.values())
+        return self.available_bytes is None or self.need_bytes <= self.available_bytes
+
+
+@functools.cache
+def host_available_bytes() -> tuple[int | None, str]:
+    """What this host has available to a new process, read once per process (every figure of one check agrees):
+    MemAvailable in /proc/meminfo (Linux), else the free physical pages (os.sysconf); (None, "unknown") when
+    neither can be read."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "sysconf"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+
+
+def host_memory_bytes(spec) -> tuple[int | None, str]:
+    """The host figure check uses: [memory] host_memory (or --host-memory) when declared, else this host's."""
+    if spec.memory.host_memory is not None:
+        return spec.memory.host_memory, "declared"
+    return host_available_bytes()
+
+
+HOST_SOURCES = {"declared": "declared: --host-memory or [memory] host_memory",
+                "MemAvailable": "available: MemAvailable in /proc/meminfo",
+                "sysconf": "available: free physical memory, os.sysconf", "unknown": "not readable on this host"}
+
+
+def is_cpu(torch_device: str) -> bool:
+    return torch_device == "cpu" or torch_device.startswith("cpu:")
+
+
+@attrs.frozen
+class MemoryReport:
+    devices: Mapping[str, DeviceMemory]
+    allocator: AllocatorConfig
+    host: HostMemory | None = None   # the CPU devices' shared pool (None: no device is a CPU)
+
+    @property
+    def fits(self) -> bool:
+        return all(d.oom is None for d in self.devices.values()) and (self.host is None or self.host.fits)
 
     @property
     def ooms(self) -> list[Oom]:
@@ -477,7 +529,12 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
             reserved_peak_bytes=sim.reserved_peak, reserved_peak_node=at(sim.reserved_peak_index),
             node_peaks=node_peaks, oom=oom, timeline=sim.timeline, labels=labels)
         typed.cache[skey] = devices[name]
-    return MemoryReport(devices, allocator)
+    cpus = tuple(n for n, d in spec.devices.items() if is_cpu(d.torch))
+    host = None
+    if cpus:
+        avail, source = host_memory_bytes(spec)
+        host = HostMemory(cpus, sum(devices[n].reserved_peak_bytes for n in cpus), avail, source)
+    return MemoryReport(devices, allocator, host)
 
 
 def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:

@@ -32,7 +32,8 @@ from ..ir.dims import symbol
 from ..ir.graph import Graph
 from .infer import Typed, build, infer
 from .allocator import AllocatorConfig, simulate
-from .memory import MemoryReport, Oom, _signature, analyze_memory, device_events, events_peak, usable_bytes
+from .memory import (HostMemory, MemoryReport, Oom, _signature, analyze_memory, device_events, events_peak,
+                     host_memory_bytes, is_cpu, usable_bytes)
 
 _POINTS = 4          # lattice points that fix a polynomial of degree <= 3
 _CHECKS = 2          # more points it must also match
@@ -60,6 +61,7 @@ class MaxResult:
     non_polynomial: tuple[str, ...]          # "device/node" peaks left to the replays
     seconds: float
     note: str = ""
+    next_host: HostMemory | None = None      # the CPU devices' shared memory at value + 1, when it overflows
 
     def to_json(self) -> dict:
         b, o = self.binding, self.next_oom
@@ -70,7 +72,9 @@ class MaxResult:
             "next": None if self.value is None else {
                 "value": self.value + 1,
                 "oom": None if o is None else {"device": o.device, "node": o.node, "tensor": o.tensor,
-                                               "requested_bytes": o.requested_bytes, "free_bytes": o.free_bytes}},
+                                               "requested_bytes": o.requested_bytes, "free_bytes": o.free_bytes},
+                "host": None if self.next_host is None else {
+                    "need_bytes": self.next_host.need_bytes, "available_bytes": self.next_host.available_bytes}},
             "replays": [list(r) for r in self.replays], "confirmed": self.confirmed,
             "non_polynomial": list(self.non_polynomial), "seconds": round(self.seconds, 3), "note": self.note,
         }
@@ -168,6 +172,11 @@ def _replay(typed: Typed, devices: Sequence[str], alloc: AllocatorConfig) -> _Re
                 seen[key] = (live <= usable, (live, live, usable))
         fit, out[dev] = seen[key]
         ok = ok and fit
+    # the CPU devices share the host's memory (analysis/memory.py, HostMemory): their peaks together must fit it
+    cpus = [n for n, d in spec.devices.items() if is_cpu(d.torch)]
+    if cpus and all(n in out for n in cpus):
+        avail = host_memory_bytes(spec)[0]
+        ok = ok and (avail is None or sum(out[n][1] for n in cpus) <= avail)
     return _Replay(ok, out)
 
 
@@ -213,7 +222,8 @@ def max_dim(typed_at: Callable[[int, bool], Typed], typed0: Typed, name: str, al
         contend = list(spec.devices)
     else:
         contend = [d for d in spec.devices
-                   if d in rough_devs or (per_dev.get(d) is not None and per_dev[d] <= live_bound * 1.25)]
+                   if d in rough_devs or (per_dev.get(d) is not None and per_dev[d] <= live_bound * 1.25)
+                   or is_cpu(spec.devices[d].torch)]     # the CPU devices contend for the host's memory together
     replays: list[tuple[int, bool]] = []
     cache: dict[tuple[int, bool], _Replay | None] = {}
 
@@ -276,16 +286,16 @@ def max_dim(typed_at: Callable[[int, bool], Typed], typed0: Typed, name: str, al
             contend = list(spec.devices)
             lo, hi = search(True)
             confirmed = lo is not None and hi == lo + 1
-    next_oom = None
+    next_oom = next_host = None
     if lo is not None:
-        next_oom = _oom_at(typed_at(lo + 1, confirm), alloc)
+        next_oom, next_host = _oom_at(typed_at(lo + 1, confirm), alloc)
     return MaxResult(name, x0, lo, live_bound, binding, next_oom, tuple(replays), confirmed, tuple(rough),
-                     time.perf_counter() - t0, note)
+                     time.perf_counter() - t0, note, next_host)
 
 
-def _oom_at(typed: Typed, alloc: AllocatorConfig) -> Oom | None:
-    ooms = analyze_memory(typed, alloc).ooms
-    return ooms[0] if ooms else None
+def _oom_at(typed: Typed, alloc: AllocatorConfig) -> tuple[Oom | None, HostMemory | None]:
+    mem = analyze_memory(typed, alloc)
+    return (mem.ooms[0] if mem.ooms else None), (mem.host if mem.host is not None and not mem.host.fits else None)
 
 
 def _next_guess(r: _Replay, bounds: list[Bound], name: str) -> int | None:

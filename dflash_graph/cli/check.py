@@ -7,7 +7,7 @@ import sys
 import time
 
 
-from ..analysis.memory import MemoryReport
+from ..analysis.memory import HostMemory, MemoryReport
 from ..models.qwen3_5 import forward_lines
 from ..ops import registry
 from ..rewrite.pipeline import Plan, compile_graph
@@ -43,6 +43,9 @@ def memory_json(mem: MemoryReport) -> dict:
         "oom": [{"device": o.device, "node": o.node, "tensor": o.tensor, "requested_bytes": o.requested_bytes,
                  "free_bytes": o.free_bytes, "reserved_bytes": o.reserved_bytes, "allocated_bytes": o.allocated_bytes}
                 for o in mem.ooms],
+        "host": None if mem.host is None else {
+            "devices": list(mem.host.devices), "need_bytes": mem.host.need_bytes,
+            "available_bytes": mem.host.available_bytes, "source": mem.host.source, "fits": mem.host.fits},
     }
 
 
@@ -90,12 +93,32 @@ def render_memory(mem: MemoryReport, before: MemoryReport | None = None) -> str:
     return "\n".join(lines)
 
 
+def render_host(host: HostMemory) -> str:
+    """One line under the memory table: the CPU devices' shared pool against the host's memory."""
+    from .console import span
+
+    return (f"host memory: the CPU devices {span(list(host.devices))} share it and need {fmt_bytes(host.need_bytes)} "
+            f"together (the sum of their peaks); {_host_has(host)}" + ("" if host.fits else "   OOM"))
+
+
+def _host_has(host: HostMemory) -> str:
+    from ..analysis.memory import HOST_SOURCES
+
+    if host.available_bytes is None:
+        return "how much this host has cannot be read (declare it: --host-memory or [memory] host_memory)"
+    return f"this host has {fmt_bytes(host.available_bytes)} ({HOST_SOURCES.get(host.source, host.source)})"
+
+
 def render_ooms(plan: Plan) -> str:
     import attrs
 
     from .console import describe_tensor, grouped_ooms, span
 
     lines = []
+    host = plan.memory.host
+    if host is not None and not host.fits:
+        lines.append(f"OOM on host memory: the CPU devices {span(list(host.devices))} need {fmt_bytes(host.need_bytes)} "
+                     f"together (the sum of their peaks); {_host_has(host)}")
     for devices, o in grouped_ooms(plan.memory):      # one block per distinct failure (replicas fail alike)
         torch_dev = plan.typed.ctx.spec.devices[o.device].torch
         alike = f" (each of {span(devices)} the same way)" if len(devices) > 1 else ""
@@ -107,10 +130,15 @@ def render_ooms(plan: Plan) -> str:
         if not plan.rewritten:
             hints.append("run without --no-rewrite: the scheduler moves selections before expensive nodes and drops "
                          "outputs no one reads")
-        if not plan.memory.allocator.expandable_segments:
+        cuda_oom = any(plan.typed.ctx.spec.devices[o.device].torch.startswith("cuda") for o in plan.memory.ooms)
+        if not plan.memory.allocator.expandable_segments and cuda_oom:
             hints.append("try --expandable-segments on (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) if the "
                          "reserved peak is far above the allocated one")
         hints.append("lower a dim with --set (e.g. --set dims.seq=32768) or move nodes to another device")
+        if host is not None and not host.fits:
+            hints.append("the CPU devices share the host: put fewer devices on the CPU (e.g. --device-map cuda:0=cpu "
+                         "maps one), or, for a run on another host, declare its memory: --host-memory 512GiB or "
+                         "[memory] host_memory")
         lines.append("hint: " + "\n      ".join(hints))
     return "\n".join(lines)
 
@@ -140,9 +168,10 @@ def render_rewrites(plan: Plan) -> str:
 
 def _plan(args) -> Plan:
     es = None if getattr(args, "expandable_segments", None) is None else args.expandable_segments == "on"
-    if getattr(args, "device_map", None):
-        from .run import _mapped_overrides
+    from .run import _host_overrides, _mapped_overrides
 
+    args.overrides = [*args.overrides, *_host_overrides(args)]
+    if getattr(args, "device_map", None):
         args.overrides = [*args.overrides, *_mapped_overrides(args)]
     return compile_graph(args.graph, args.overrides, rewrite=not getattr(args, "no_rewrite", False),
                          expandable_segments=es, verify=getattr(args, "verify", False),
@@ -202,6 +231,8 @@ def cmd_check(args) -> int:
         print_memory_table(plan.memory, plan.memory_before)
     else:
         print(render_memory(plan.memory, plan.memory_before))
+    if plan.memory.host is not None:
+        print(render_host(plan.memory.host))
     print()
     print(render_launch(typed))
     print()
@@ -209,7 +240,10 @@ def cmd_check(args) -> int:
         print("verdict: fits on every device")
     else:
         print(render_ooms(plan))
-        print(f"verdict: predicted OOM on {', '.join(o.device for o in plan.memory.ooms)}")
+        where = [o.device for o in plan.memory.ooms]
+        if plan.memory.host is not None and not plan.memory.host.fits:
+            where.append("host memory")
+        print(f"verdict: predicted OOM on {', '.join(where)}")
     for _, text in extras.values():
         print()
         print(text)

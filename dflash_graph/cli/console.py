@@ -28,6 +28,19 @@ def use_rich(stream=None) -> bool:
     return True
 
 
+def rich_console(**kw):
+    """A rich Console that lets a closed pipe reach `dflash-graph`'s entry point (cli/main.py ends it quietly, with
+    the same exit status for every command) instead of rich's own SystemExit(1), which `check` uses for an OOM."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console(**kw)
+
+
 # -- naming what failed to allocate ---------------------------------------------------------------------------
 
 _TEMP = re.compile(r"^(?:l(?P<layer>\d+)|(?P<part>pro|norm))\.(?P<name>.+?)#\d+$")
@@ -82,7 +95,6 @@ def grouped_ooms(mem: MemoryReport) -> list[tuple[list[str], Oom]]:
 
 def print_memory_table(mem: MemoryReport, before: MemoryReport | None = None) -> None:
     """The memory table of `check`, as a rich table (call only when use_rich())."""
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
@@ -101,4 +113,4 @@ def print_memory_table(mem: MemoryReport, before: MemoryReport | None = None) ->
             b = before.devices.get(name)
             row.append(f"{fmt_bytes(b.peak_bytes)} / {fmt_bytes(b.reserved_peak_bytes)}" if b else "")
         t.add_row(*row)
-    Console().print(t)
+    rich_console().print(t)

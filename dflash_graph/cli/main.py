@@ -46,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--verify", action="store_true", help="re-check every contract before and after each rewrite pass")
     c.add_argument("--device-map", action="append", default=[], metavar="FROM=TO",
                    help="predict for remapped torch devices, as run would use them, e.g. 'cuda:*=cpu' (repeatable)")
+    c.add_argument("--host-memory", metavar="SIZE", help="the memory of the host the CPU devices share, e.g. 512GiB "
+                                                         "(default: [memory] host_memory, else MemAvailable here)")
     c.add_argument("--max", metavar="DIM", help="the largest value of a dim for which every device fits, e.g. "
                                                 "--max dims.seq (the live bytes solved, the allocator replayed)")
     c.add_argument("--memory-snapshot", metavar="FILE.pickle",
@@ -86,6 +88,8 @@ def parser() -> argparse.ArgumentParser:
                         "train.grad_clip (repeatable)")
     r.add_argument("--device-map", action="append", default=[], metavar="FROM=TO",
                    help="remap torch devices, e.g. 'cuda:*=cpu' (repeatable)")
+    r.add_argument("--host-memory", metavar="SIZE", help="the memory of the host the CPU devices share, e.g. 512GiB "
+                                                         "(default: [memory] host_memory, else MemAvailable here)")
     r.add_argument("--strict", action="store_true", help="check every node's tensors against its contract at run time")
     r.add_argument("--force", action="store_true", help="run even if check predicts an OOM")
     r.add_argument("--no-rewrite", action="store_true", help="run the graph exactly as written")
@@ -148,7 +152,38 @@ def _unknown_flags(ap: argparse.ArgumentParser, argv: Sequence[str] | None, unkn
     return 2
 
 
+# The exit status of a command whose reader went away (`dflash-graph check G | head -1`): what a shell reports for
+# a program ended by SIGPIPE, 128 + 13. Not 1, which `check` uses for a predicted OOM.
+EXIT_CLOSED_PIPE = 141
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout closed the pipe: end quietly, as a program killed by SIGPIPE would. stdout is pointed
+    at /dev/null so that the interpreter's last flush at exit does not fail again and print "Exception ignored"
+    (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):   # stdout is not a file descriptor (captured, replaced)
+        pass
+    return EXIT_CLOSED_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The entry point: every command's output ends quietly when its reader closes the pipe."""
+    try:
+        try:
+            return _main(argv)
+        finally:   # what is still buffered goes out now, where a closed pipe can be caught (not at exit)
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     ap = parser()
     args, unknown = ap.parse_known_args(argv)
     if unknown:
@@ -184,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # the reader of the output went away: main ends quietly
+        raise
     except OSError as e:   # the environment, not the graph: a path that cannot be read or written
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
         print(f"error:{where}: {e.strerror or e}", file=sys.stderr)

@@ -72,6 +72,10 @@ def render_max(r: MaxResult) -> str:
 
         lines.append(f"  at {n}={r.value + 1:,}: OOM on {o.device} at node '{o.node}', allocating {describe_tensor(o)} "
                      f"({fmt_bytes(o.requested_bytes)} requested, {fmt_bytes(o.free_bytes)} free)")
+    if r.next_host is not None:
+        h = r.next_host
+        lines.append(f"  at {n}={r.value + 1:,}: OOM on host memory: the CPU devices need {fmt_bytes(h.need_bytes)} "
+                     f"together, the host has {fmt_bytes(h.available_bytes)}")
     if not r.confirmed:
         lines.append("  not confirmed by the whole pipeline at these dims: rerun check with --set to see it")
     if r.non_polynomial:

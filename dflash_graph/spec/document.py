@@ -62,6 +62,7 @@ class NodeSpec:
 class MemorySpec:
     expandable_segments: bool = False
     max_split_size: int | None = None
+    host_memory: int | None = None      # declared memory of the host the CPU devices share (None: MemAvailable)
 
 
 @attrs.frozen

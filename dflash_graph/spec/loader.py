@@ -181,7 +181,7 @@ class _Builder:
             file=self.file, name=graph["name"] or (FsPath(self.file).stem if self.file else "graph"),
             description=graph["description"] or "", dims=frozen_map(dims), devices=frozen_map(devices),
             groups=frozen_map(groups), models=frozen_map(models), nodes=tuple(nodes),
-            memory=MemorySpec(bool(memory["expandable_segments"]), memory["max_split_size"]),
+            memory=MemorySpec(bool(memory["expandable_segments"]), memory["max_split_size"], memory["host_memory"]),
             train=frozen_map(train), data=frozen_map({**data, "_base": str(self.base)}), lines=self.lines,
             launch=launch,
         )

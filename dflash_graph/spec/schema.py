@@ -84,6 +84,10 @@ MEMORY = Section("memory", "How memory is predicted.", (
     Key("expandable_segments", "bool", "Simulate PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.", default=False),
     Key("max_split_size", "size", "Simulate PYTORCH_CUDA_ALLOC_CONF max_split_size_mb; at least 20 MiB, as PyTorch "
         "requires (AllocatorConfig.cpp, parseMaxSplitSize).", default=None, low=20 * 2**20),
+    Key("host_memory", "size", "Memory of the host the CPU devices share (those with torch = \"cpu\", and those "
+        "mapped there by --device-map): check adds up their peaks and predicts an OOM when the sum exceeds it; a "
+        "device mapped to the CPU gets it as its capacity. Absent: what the host running check has available "
+        "(MemAvailable in /proc/meminfo). The flag --host-memory sets it.", default=None),
 ))
 
 MODEL = Section("models.<name>", "A model whose weights nodes use.", (

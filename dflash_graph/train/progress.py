@@ -55,11 +55,11 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
                 TimeRemainingColumn
 
-            from rich.console import Console
+            from ..cli.console import rich_console
 
             self._bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[line]}"), TimeRemainingColumn(), transient=False,
-                                     console=Console(file=self.stream))
+                                     console=rich_console(file=self.stream))
             self._task = self._bar.add_task("train", total=total, completed=start, line="")
             self._bar.start()
         self.writer = None

@@ -5,7 +5,8 @@
 - `run.json` records the command line, the graph file and `--set` flags, and the resolved graph (the whole
   document with the flags applied and config.json files read in) of the run, and each resume after it.
 - A resume compares the resolved graph it is given with the one recorded: any difference is refused, naming
-  each path with its old and new value, except the keys in ALWAYS_OK (they change no state a checkpoint holds)
+  each path with its old and new value, except the keys in ALWAYS_OK and the memory figures (devices' capacity
+  and outside_allocator, [memory] host_memory: they change no state a checkpoint holds)
   and those in WITH_FLAG when `--allow-change KEY` names them (safe to change mid-run, but a different run).
 """
 
@@ -28,6 +29,15 @@ OWNED = ("metrics.jsonl", "memory.json", RUN_FILE, "checkpoint", "checkpoints", 
 ALWAYS_OK = frozenset({"train.steps", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                        "graph.description"})
 WITH_FLAG = frozenset({"train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip"})
+
+
+def _memory_figure(key: str) -> bool:
+    """A device's capacity or outside_allocator, or [memory] host_memory: what check compares the peaks with, not
+    state a checkpoint holds. Always OK on resume: a device mapped to the CPU takes the host's available memory as
+    its capacity, which differs from one invocation to the next."""
+    parts = key.split(".")
+    return key == "memory.host_memory" or (len(parts) == 3 and parts[0] == "devices"
+                                           and parts[2] in ("capacity", "outside_allocator"))
 
 
 def holds_a_run(d: Path) -> bool:
@@ -130,7 +140,7 @@ def check_resume(resume: Path, spec, allow: Sequence[str]) -> None:
     a, b = flatten(old), flatten(_jsonable(spec.resolved))
     diffs = []
     for k in sorted(set(a) | set(b)):
-        if a.get(k, "<absent>") == b.get(k, "<absent>") or k in ALWAYS_OK or k in allow:
+        if a.get(k, "<absent>") == b.get(k, "<absent>") or k in ALWAYS_OK or _memory_figure(k) or k in allow:
             continue
         diffs.append(k)
     if not diffs:
