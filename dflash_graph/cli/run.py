@@ -106,9 +106,14 @@ def cmd_run(args) -> int:
         trainer.progress = Progress(trainer.steps, trainer.start_step, bar=not args.no_progress,
                                     log_every=int(trainer.cfg["log_every"]), tensorboard=args.tensorboard)
     if trainer.is_writer:
-        out.mkdir(parents=True, exist_ok=True)
-        rundir.record(out, spec, sys.argv, args.overrides,
-                      resumed=resume is not None and resume.resolve() == out.resolve())
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            rundir.record(out, spec, sys.argv, args.overrides,
+                          resumed=resume is not None and resume.resolve() == out.resolve())
+        except OSError as e:   # a full disk or an unwritable --out: where, what is kept, what to do (exit 2)
+            from ..train.trainer import WriteFailed
+
+            trainer.fail(trainer.write_problem(WriteFailed(rundir.RUN_FILE, out / rundir.RUN_FILE, e, trainer.start_step)))
     code = trainer.run()
     if code == 0 and trainer.is_writer:
         from ..train.export import export_trainer

@@ -203,6 +203,19 @@ class Comm:
         return RankLost(f"rank {self.rank} ({', '.join(self.devices_of_rank[self.rank])}) stops at "
                         f"{self.where.text()}: {first or cause}")
 
+    def fail(self, cause: str) -> None:
+        """This rank stops the run for a reason of its own (non-finite steps, a failed write): record the cause
+        where every rank looks for one, so the others stop at their next wait naming it, not a lost peer."""
+        try:
+            self.store.compare_set("fault", "", cause)
+        except Exception:
+            pass
+        self.beat.state = "failed"
+        try:
+            self.beat.publish()
+        except Exception:
+            pass
+
     def _recorded_cause(self) -> str | None:
         try:
             if self.store.check(["fault"]):

@@ -21,7 +21,8 @@ class RunSummary:
         self.last_tau: float | None = None
 
     def update(self, rec: dict[str, Any]) -> None:
-        self.loss.add(rec["loss"])
+        if rec.get("loss") is not None:       # a skipped step (NOTE [Non-finite steps]) has no loss to smooth
+            self.loss.add(rec["loss"])
         self.tps.append(rec["tokens_per_s"])
         self.last_tau = rec.get("tau")
 
