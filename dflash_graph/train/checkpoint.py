@@ -275,8 +275,8 @@ def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler
         state = load_file(str(path))
         diff = state_dict_differences(m.state_dict(), state)
         if diff:
-            raise GraphError(Problem(f"checkpoint {path} does not fit the drafter '{name}' this graph builds: "
-                                     f"{diff}", Location(str(path)), hint=hint))
+            raise GraphError(Problem(f"this checkpoint does not fit the drafter '{name}' the graph builds: {diff}",
+                                     Location(str(path)), hint=hint))
         dev = next(m.parameters()).device
         m.load_state_dict({k: v.to(dev) for k, v in state.items()})
     import pickle
@@ -313,7 +313,7 @@ def state_dict_differences(want: dict[str, torch.Tensor], saved: dict[str, torch
     """'' when `saved` loads into a module whose state dict is `want`; else the keys and shapes that differ (the
     first few of each kind)."""
     def few(items: list[str]) -> str:
-        return ", ".join(items[:first]) + (f", ... ({len(items)} in all)" if len(items) > first else "")
+        return "; ".join(items[:first]) + (f"; ... ({len(items)} in all)" if len(items) > first else "")
 
     missing = [k for k in want if k not in saved]
     unexpected = [k for k in saved if k not in want]
@@ -326,4 +326,4 @@ def state_dict_differences(want: dict[str, torch.Tensor], saved: dict[str, torch
         parts.append(f"{len(missing)} missing from the checkpoint ({few(missing)})")
     if unexpected:
         parts.append(f"{len(unexpected)} not in the graph's drafter ({few(unexpected)})")
-    return "; ".join(parts)
+    return "; and ".join(parts)

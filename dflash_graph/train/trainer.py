@@ -125,6 +125,10 @@ def _append(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def _steps(a: int, b: int) -> str:
+    return f"step {a}" if a == b else f"steps {a}-{b}"
+
+
 def _location(path: Path) -> Location:
     return Location(str(path))
 
@@ -536,7 +540,7 @@ class Trainer:
                 f"no checkpoint was saved before (train.checkpoint_every = {int(self.cfg['checkpoint_every'])})")
         then = f"then continue with --resume {out} --allow-change train.lr" if saved else "then run again"
         raise RunFailed(Problem(
-            f"steps {steps[0]}-{steps[-1]}: the loss or gradient norm was not finite in {n} steps in a row "
+            f"{_steps(steps[0], steps[-1])}: the loss or gradient norm was not finite in {n} steps in a row "
             f"(train.max_nonfinite_steps = {limit}; {what}); their optimizer steps were skipped, so the weights are "
             f"those of step {good}; {kept}", _location(out / "metrics.jsonl"),
             hint=f"lower train.lr (now {float(self.cfg['lr']):g}) or train.grad_clip (now "
@@ -552,23 +556,24 @@ class Trainer:
     def write_problem(self, e: WriteFailed) -> Problem:
         """What a failed write means to the user: where, why, what is on disk, what is lost, what to do."""
         out, err = self.opts.out, e.err
-        path = Path(err.filename) if getattr(err, "filename", None) else e.path
+        # the file the OS refused (inside a checkpoint's temporary), else the file being written
+        path = Path(err.filename) if e.path.is_dir() and getattr(err, "filename", None) else e.path
         code = errno.errorcode.get(err.errno or 0)
         why = f"{err.strerror or err}" + (f" ({code})" if code else "")
         saved = checkpoint.newest_complete(out) if out.is_dir() else None
         kept = (f"the checkpoint of step {saved[0]} is complete on disk ({saved[1]})" if saved else
                 "no checkpoint is complete on disk")
         ms = self._metrics_steps
-        metrics = (f"metrics.jsonl holds steps {ms[0]}-{ms[1]}" if ms else "metrics.jsonl holds no step")
+        metrics = f"metrics.jsonl holds {_steps(*ms)}" if ms else "metrics.jsonl holds no step"
         last = saved[0] if saved else 0
-        lost = (f"steps {last + 1}-{e.step} were trained but are in no checkpoint" if e.step > last else
-                "no trained step (every step is in the checkpoint)")
+        lost = (f"{_steps(last + 1, e.step)} trained but in no checkpoint" if e.step > last else
+                "nothing (every trained step is in the checkpoint)" if saved else "nothing (no step was trained)")
         again = f"then continue with --resume {out}" if saved else "then run again"
         if err.errno in _FULL:
             fix = f"free space on the filesystem of {out} (df -h {out}) or lower train.keep_checkpoints, {again}"
         elif err.errno in _DENIED:
-            fix = f"make {path.parent if path != out else out} writable by this user, or move {out} to a writable " \
-                  f"place, {again}"
+            fix = f"make {e.path if e.path.is_dir() else e.path.parent} writable by this user (or move {out} to a " \
+                  f"writable place), {again}"
         else:
             fix = f"check the filesystem of {out}, {again}"
         return Problem(f"cannot write {e.what}: {why}", _location(path),
