@@ -272,3 +272,13 @@ def test_metrics_lines_are_strict_json():
                       "step": 3})
     assert "NaN" not in line and "Infinity" not in line and line.endswith("\n")
     assert json.loads(line) == {"loss": None, "heldout": {"loss": None}, "slot_accept": [0.5, None], "step": 3}
+
+
+if __name__ == "__main__":
+    # `python tests/test_run_failures.py LOSS_STEPS RUN_ARGS...`: `dflash-graph run RUN_ARGS` with the loss made NaN at
+    # the comma-separated steps, for a run under torchrun (tests/test_distributed.py)
+    import sys
+
+    bad, *args = sys.argv[1:]
+    poison(pytest.MonkeyPatch(), loss_at={int(s) for s in bad.split(",")})
+    sys.exit(main(["run", *args]))

@@ -30,6 +30,7 @@ import errno
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -339,7 +340,7 @@ class Trainer:
             with self.interp.window(0, "optimizer"):
                 self.opt.step()
         with warnings.catch_warnings():   # a skipped first step: torch warns that the scheduler stepped first
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -527,8 +528,9 @@ class Trainer:
         self._bad_steps.append((step, m["skipped"], m["loss"], m["grad_norm"]))
         n, limit = len(self._bad_steps), self.max_nonfinite
         good = step - n
+        before = f"those of step {good}" if good > 0 else "the initial ones"
         self._note(f"step {step}: skipped, {_what_nonfinite(m['skipped'], m['loss'], m['grad_norm'])}: weights and "
-                   f"optimizer state stay those of step {good} ({n} such step{'s' if n > 1 else ''} in a row; "
+                   f"optimizer state stay {before} ({n} such step{'s' if n > 1 else ''} in a row; "
                    f"train.max_nonfinite_steps = {limit} stops the run)")
         if n < limit:
             return
@@ -542,7 +544,7 @@ class Trainer:
         raise RunFailed(Problem(
             f"{_steps(steps[0], steps[-1])}: the loss or gradient norm was not finite in {n} steps in a row "
             f"(train.max_nonfinite_steps = {limit}; {what}); their optimizer steps were skipped, so the weights are "
-            f"those of step {good}; {kept}", _location(out / "metrics.jsonl"),
+            f"{before}; {kept}", _location(out / "metrics.jsonl"),
             hint=f"lower train.lr (now {float(self.cfg['lr']):g}) or train.grad_clip (now "
                  f"{float(self.cfg['grad_clip']):g}), check the loss node's params (gamma) and the data; {then}"))
 
