@@ -130,6 +130,22 @@ def _steps(a: int, b: int) -> str:
     return f"step {a}" if a == b else f"steps {a}-{b}"
 
 
+def _metrics_on_disk(path: Path) -> str:
+    """Which steps metrics.jsonl holds, as read back (what a failed write left)."""
+    steps = []
+    try:
+        for ln in path.read_text().splitlines():
+            try:
+                steps.append(int(json.loads(ln)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    except FileNotFoundError:
+        return "metrics.jsonl holds no step"
+    except OSError as e:
+        return f"metrics.jsonl cannot be read back ({e.strerror})"
+    return f"metrics.jsonl holds {_steps(min(steps), max(steps))}" if steps else "metrics.jsonl holds no step"
+
+
 def _location(path: Path) -> Location:
     return Location(str(path))
 
@@ -236,7 +252,6 @@ class Trainer:
         self._stop_requested = False
         self.max_nonfinite = int(self.cfg.get("max_nonfinite_steps") or 3)
         self._bad_steps: list[tuple[int, str, float, float]] = []
-        self._metrics_steps: tuple[int, int] | None = None
         from .summary import RunSummary
 
         self.summary = RunSummary(self, int(self.cfg["eval_every"]), int(self.cfg["eval_batches"]), self.seed)
@@ -371,7 +386,6 @@ class Trainer:
                     continue
                 if isinstance(rec, dict) and rec.get("step", 0) <= self.start_step:
                     kept.append(ln)
-                    self._metrics_written(int(rec.get("step", 0)))
             try:
                 metrics_path.write_text("".join(ln + "\n" for ln in kept))
             except OSError as e:
@@ -503,23 +517,20 @@ class Trainer:
             rec["skipped"] = m["skipped"]
         return rec
 
-    def _metrics_written(self, step: int) -> None:
-        first = self._metrics_steps[0] if self._metrics_steps else step
-        self._metrics_steps = (first, step)
-
     def _write_metrics(self, fd: int, rec: dict[str, Any], path: Path) -> None:
         """Append one strict-JSON line; a write that fails part-way is cut off again (the file stays whole lines)."""
         data = json_line(rec).encode()
+        pos = None
         try:
             pos = os.fstat(fd).st_size
             _append(fd, data)
         except OSError as e:
-            try:
-                os.ftruncate(fd, pos)
-            except (OSError, UnboundLocalError):
-                pass
+            if pos is not None:
+                try:
+                    os.ftruncate(fd, pos)
+                except OSError:
+                    pass
             raise WriteFailed(f"the metrics of step {rec['step']}", path, e, rec["step"]) from None
-        self._metrics_written(rec["step"])
 
     def _count_nonfinite(self, step: int, m: dict[str, Any]) -> None:
         if not m.get("skipped"):
@@ -565,8 +576,7 @@ class Trainer:
         saved = checkpoint.newest_complete(out) if out.is_dir() else None
         kept = (f"the checkpoint of step {saved[0]} is complete on disk ({saved[1]})" if saved else
                 "no checkpoint is complete on disk")
-        ms = self._metrics_steps
-        metrics = f"metrics.jsonl holds {_steps(*ms)}" if ms else "metrics.jsonl holds no step"
+        metrics = _metrics_on_disk(out / "metrics.jsonl")
         last = saved[0] if saved else 0
         lost = (f"{_steps(last + 1, e.step)} trained but in no checkpoint" if e.step > last else
                 "nothing (every trained step is in the checkpoint)" if saved else "nothing (no step was trained)")
