@@ -70,7 +70,9 @@ def test_an_isolated_nonfinite_step_is_skipped_and_recorded(in_repo, tmp_path, m
     out = tmp_path / "run"
     poison(monkeypatch, loss_at={2}, grad_at={4})
     assert run(out, 5, "train.checkpoint_every=1", "train.keep_checkpoints=10") == 0
-    err = capsys.readouterr().err
+    got = capsys.readouterr()
+    err = got.err
+    assert "skipped: 2 step(s) with a non-finite loss or gradient norm (2, 4)" in got.out
     assert "step 2: skipped, non-finite loss (loss nan" in err and "stay those of step 1" in err
     assert "step 4: skipped, non-finite gradient norm" in err
     recs = strict_records(out)
