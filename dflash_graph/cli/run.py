@@ -99,7 +99,14 @@ def cmd_run(args) -> int:
     opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress, distributed=distributed)
-    trainer = Trainer(plan, opts)
+    from ..exec.distributed import EXIT_LOST, RankLost
+
+    try:
+        trainer = Trainer(plan, opts)
+    except RankLost as e:   # under torchrun: another rank stopped during setup (its own error says why)
+        print(f"dflash-graph: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_LOST)   # a collective still pending in a helper thread would keep the process alive
     if getattr(args, "tensorboard", None) and trainer.is_writer:
         from ..train.progress import Progress
 

@@ -231,15 +231,20 @@ class Trainer:
                               if registry.get(n.op).traits.sink and "loss" in typed.outputs_of(n.id))
         self.start_step = 0
         if opts.resume is not None and self.is_writer:
-            state, ck = checkpoint.load(opts.resume)
-            checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator, self.masters)
-            if "batches" not in state.get("data", {}):
-                raise GraphError(Problem(f"{ck} was written by an older dflash-graph (data position as epoch and "
-                                         "cursor, before per-replica shards)", None,
-                                         hint="start a new run in another --out directory"))
+            try:
+                state, ck = checkpoint.load(opts.resume)
+                checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator, self.masters)
+                if "batches" not in state.get("data", {}):
+                    raise GraphError(Problem(f"{ck} was written by an older dflash-graph (data position as epoch and "
+                                             "cursor, before per-replica shards)", None,
+                                             hint="start a new run in another --out directory"))
+            except GraphError as e:   # under torchrun the other ranks wait for the step: tell them why there is none
+                if self.comm is None:
+                    raise
+                self.fail(e.problems[0], "cannot resume")
             self.start_step = int(state["step"])
         if self.comm is not None:
-            self.start_step = int(self.comm.broadcast(self.start_step, src=self.writer))
+            self.start_step = int(self.comm.broadcast(self.start_step, src=self.writer, what="the step to resume from"))
             self.comm.plan_slots(self.start_step, self.steps, self.accum, R)
         for shard in self.shards.values():
             shard.skip(self.start_step * self.accum)
@@ -591,14 +596,15 @@ class Trainer:
         return Problem(f"cannot write {e.what}: {why}", _location(path),
                        context=f"saved: {kept}; {metrics}\n  lost: {lost}", hint=fix)
 
-    def fail(self, problem: Problem):
+    def fail(self, problem: Problem, how: str = "stopped the run"):
         """Stop the run with exit 2 and `problem`. Under torchrun the cause goes to the rendezvous store first, so
         every other rank stops at its next wait naming it (NOTE [Non-finite steps]), and this process exits at
         once (pending receives would keep it alive)."""
         if self.comm is None:
             raise GraphError(problem)
         devs = ", ".join(sorted(self.interp.local))
-        self.comm.fail(f"rank {self.rank} ({devs}) stopped the run: {problem.message}")
+        where = f"{problem.loc.render()}: " if problem.loc.file else ""
+        self.comm.fail(f"rank {self.rank} ({devs}) {how}: {where}{problem.message}")
         print(f"dflash-graph: rank {self.rank} ({devs}): {GraphError(problem)}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
