@@ -173,3 +173,49 @@ def test_the_27b_topology_holds_its_queue_under_torchrun(in_repo, tmp_path):
     assert set(mem["devices"]) == {f"gpu{i}" for i in range(8)}
     for name, d in mem["devices"].items():
         assert 0.9 <= d["measured_peak_bytes"] / d["predicted_peak_bytes"] <= 1.1, (name, d)
+
+
+def test_nonfinite_steps_in_a_row_stop_every_rank_with_the_writers_cause(in_repo, tmp_path):
+    """The writer alone decides to skip (it holds the loss and the optimizer); when K skipped steps in a row stop
+    the run, it exits 2 and every other rank stops at its next wait naming its cause (exit 4), none hangs."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           str(ROOT / "tests" / "test_run_failures.py"), "3,4,5", "graphs/tiny.toml", "--steps", "8", "--out", str(out),
+           "--no-progress", "--set", "train.checkpoint_every=2"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        text, _ = p.communicate(timeout=240)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    assert p.returncode != 0
+    writer = [ln for ln in text.splitlines() if ln.startswith("dflash-graph: rank 2 (draft): ")]
+    assert len(writer) == 1 and "steps 3-5: the loss or gradient norm was not finite" in writer[0], text
+    assert "exitcode  : 2" in text
+    others = [ln for ln in text.splitlines() if ln.startswith(("dflash-graph: rank 0 (t0) stops",
+                                                                "dflash-graph: rank 1 (t1) stops"))]
+    assert len(others) == 2, text
+    assert all("rank 2 (draft) stopped the run: " in ln and "steps 3-5: the loss" in ln for ln in others), others
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 4
+
+
+def test_a_checkpoint_the_writer_cannot_resume_stops_every_rank_with_its_error(in_repo, tmp_path):
+    """The writer refuses a checkpoint of another drafter shape (exit 2); the ranks waiting for the step to resume
+    from stop naming that error (exit 4), not with a broken connection or an internal error."""
+    out = tmp_path / "run"
+    assert main(["run", "graphs/tiny.toml", "--steps", "1", "--out", str(out), "--no-progress"]) == 0
+    (out / "run.json").unlink()          # no record to compare the graph with: the checkpoint itself refuses
+    code, text = torchrun(3, ["graphs/tiny.toml", "--steps", "2", "--resume", str(out),
+                              "--set", "models.drafter.config.intermediate_size=128"], timeout=240)
+    assert code != 0
+    assert "internal error" not in text and "exitcode  : 3" not in text, text
+    writer = [ln for ln in text.splitlines() if ln.startswith("dflash-graph: rank 2 (draft): ")]
+    assert len(writer) == 1 and "this checkpoint does not fit the drafter 'drafter'" in writer[0], text
+    others = [ln for ln in text.splitlines() if ln.startswith(("dflash-graph: rank 0 (t0) stops",
+                                                                "dflash-graph: rank 1 (t1) stops"))]
+    assert len(others) == 2 and all("rank 2 (draft) cannot resume: " in ln for ln in others), text

@@ -131,16 +131,28 @@ def cmd_run(args) -> int:
     opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress, distributed=distributed)
-    trainer = Trainer(plan, opts)
+    from ..exec.distributed import EXIT_LOST, RankLost
+
+    try:
+        trainer = Trainer(plan, opts)
+    except RankLost as e:   # under torchrun: another rank stopped during setup (its own error says why)
+        print(f"dflash-graph: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_LOST)   # a collective still pending in a helper thread would keep the process alive
     if getattr(args, "tensorboard", None) and trainer.is_writer:
         from ..train.progress import Progress
 
         trainer.progress = Progress(trainer.steps, trainer.start_step, bar=not args.no_progress,
                                     log_every=int(trainer.cfg["log_every"]), tensorboard=args.tensorboard)
     if trainer.is_writer:
-        out.mkdir(parents=True, exist_ok=True)
-        rundir.record(out, spec, sys.argv, args.overrides,
-                      resumed=resume is not None and resume.resolve() == out.resolve())
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            rundir.record(out, spec, sys.argv, args.overrides,
+                          resumed=resume is not None and resume.resolve() == out.resolve())
+        except OSError as e:   # a full disk or an unwritable --out: where, what is kept, what to do (exit 2)
+            from ..train.trainer import WriteFailed
+
+            trainer.fail(trainer.write_problem(WriteFailed(rundir.RUN_FILE, out / rundir.RUN_FILE, e, trainer.start_step)))
     code = trainer.run()
     if code == 0 and trainer.is_writer:
         from ..train.export import export_trainer

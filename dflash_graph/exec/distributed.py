@@ -203,6 +203,19 @@ class Comm:
         return RankLost(f"rank {self.rank} ({', '.join(self.devices_of_rank[self.rank])}) stops at "
                         f"{self.where.text()}: {first or cause}")
 
+    def fail(self, cause: str) -> None:
+        """This rank stops the run for a reason of its own (non-finite steps, a failed write): record the cause
+        where every rank looks for one, so the others stop at their next wait naming it, not a lost peer."""
+        try:
+            self.store.compare_set("fault", "", cause)
+        except Exception:
+            pass
+        self.beat.state = "failed"
+        try:
+            self.beat.publish()
+        except Exception:
+            pass
+
     def _recorded_cause(self) -> str | None:
         try:
             if self.store.check(["fault"]):
@@ -211,8 +224,10 @@ class Comm:
             return None
         return None
 
-    def _watch(self, fut: Future, peer: int, what: str) -> None:
-        """Wait for a send or receive (running in a pool thread) while watching the peer and the clock."""
+    def _watch(self, fut: Future, peer: int, what: str, stall: bool = True) -> None:
+        """Wait for a send or receive (running in a pool thread) while watching the peer and the clock (stall=False:
+        no stall_timeout, for a setup wait as long as the peer's loading takes, still ended by a recorded cause or
+        a lost heartbeat)."""
         t0 = time.monotonic()
         deadline = t0 + self.stall
         while True:
@@ -235,7 +250,7 @@ class Comm:
                 if self._stale_peers([peer]):
                     raise self._lost(peer, f"no heartbeat for {LOST_AFTER:.0f} s while rank {self.rank} waited on "
                                            f"{what}")
-            if now > deadline:
+            if stall and now > deadline:
                 raise self._lost(peer, f"rank {self.rank} waited on {what} for longer than stall_timeout = "
                                        f"{self.stall:g} s ([launch])")
 
@@ -314,9 +329,15 @@ class Comm:
             self._watch(self.pool.submit(self._complete, [work]), dst, f"the header of replica {r} to rank {dst}")
 
     # -- small control messages (setup and the end) ------------------------------------------------------------
-    def broadcast(self, obj, src: int):
+    def broadcast(self, obj, src: int, what: str = "a broadcast"):
+        """`src`'s obj on every rank. Watched (a setup wait: no stall_timeout), so a source that stops with an
+        error of its own (Comm.fail) ends it with that error rather than a broken connection."""
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.ctrl)
+        fut = self.pool.submit(dist.broadcast_object_list, box, src, self.ctrl)
+        if self.rank == src:
+            fut.result()
+        else:
+            self._watch(fut, src, what, stall=False)
         return box[0]
 
     def gather(self, obj, dst: int) -> list | None:

@@ -132,6 +132,9 @@ TRAIN = Section("train", "Training settings for `dflash-graph run`.", (
         open_high=True),
     Key("grad_clip", "float", "Clip the global gradient norm to this value (above 0).", default=1.0, low=0,
         open_low=True, high=1e9),
+    Key("max_nonfinite_steps", "int", "Stop the run (exit 2) after this many steps in a row whose loss or gradient "
+        "norm is NaN or infinite. Such a step is skipped: no weight or optimizer state changes, the learning-rate "
+        "schedule still advances, and metrics.jsonl records it with `\"skipped\"`.", default=3, low=1, high=10**6),
     Key("grad_accum", "int", "Micro-batches per optimizer step.", default=1, low=1, high=10**4),
     Key("seed", "int", "Seed for initialisation, data order and anchor sampling.", default=0, low=0, high=2**63 - 1),
     Key("log_every", "int", "Steps between progress lines.", default=1, low=1, high=10**9),

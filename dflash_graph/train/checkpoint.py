@@ -13,6 +13,10 @@ last, then renamed to `step-N` (an atomic rename on one filesystem) and the dire
 newest complete step is on disk under its final name, so a SIGKILL anywhere leaves a good checkpoint, and a
 leftover temporary is deleted by the next save. `load` does not trust the link: it verifies steps newest first
 against their manifests and falls back to the newest one that verifies, naming each one it skipped.
+
+A save that fails (a full disk, a directory made unwritable: an OSError, also for what safetensors reports in its
+own exception type) deletes its temporary and re-raises; the previous steps are untouched. A save of weights or
+fp32 masters that hold a NaN or an infinity is refused before anything is written (`NonFiniteWeights`).
 """
 
 from __future__ import annotations
@@ -75,31 +79,51 @@ def clean_temporaries(dirpath: Path) -> list[Path]:
     return removed
 
 
+class NonFiniteWeights(ValueError):
+    """A tensor about to be checkpointed holds a NaN or an infinity; nothing was written."""
+
+
+def nonfinite_tensors(drafters: dict[str, torch.nn.Module], masters=()) -> list[str]:
+    """Names of the drafters' parameters and buffers (and fp32 masters) that hold a NaN or an infinity."""
+    bad = []
+    for name, m in drafters.items():
+        for k, v in m.state_dict().items():
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                bad.append(f"{name}.{k}")
+    for i, v in enumerate(masters):
+        if v.is_floating_point() and not bool(torch.isfinite(v.detach()).all()):
+            bad.append(f"fp32 master {i}")
+    return bad
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file; its I/O failures (its own exception type) as the OSError they are."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:
+        m = re.search(r"os error (\d+)", str(e))
+        if m is None or isinstance(e, OSError):
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimizer, scheduler,
          data_state: dict, generator: torch.Generator, extra: dict[str, Any], masters=(), keep: int = 3) -> Path:
+    bad = nonfinite_tensors(drafters, masters)
+    if bad:
+        raise NonFiniteWeights(f"refusing to save the checkpoint of step {step}: {len(bad)} tensor(s) hold NaN or "
+                               f"infinite values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     root = dirpath / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     clean_temporaries(dirpath)
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     tmp.mkdir()
-    files = []
-    for name, m in drafters.items():
-        save_file({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, str(tmp / f"{name}.safetensors"),
-                  metadata={"step": str(step), "format": "dflash-graph drafter"})
-        files.append(f"{name}.safetensors")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
-                "masters": [m.detach().cpu() for m in masters]}, tmp / "trainer.pt")
-    files.append("trainer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "data": data_state, **extra}, indent=2))
-    files.append("state.json")
-    for f in files:
-        _fsync_file(tmp / f)
-    manifest = {"format": FORMAT, "step": step,
-                "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files}}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    _fsync_file(tmp / "manifest.json")
-    _fsync_dir(tmp)
+    try:
+        _write_step(tmp, step, drafters, optimizer, scheduler, data_state, generator, extra, masters)
+    except BaseException:      # a full disk, an unwritable directory, Ctrl-C: no half-written step is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = root / f"step-{step:08d}"
     if final.exists() and verify(final) is None:   # the same step again (a resume that stopped where it began):
         shutil.rmtree(tmp)                         # keep the complete one on disk rather than swap it non-atomically
@@ -113,6 +137,29 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
         shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(root)
     return dirpath / "checkpoint"
+
+
+def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state, generator, extra, masters) -> None:
+    files = []
+    for name, m in drafters.items():
+        _save_tensors({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, tmp / f"{name}.safetensors",
+                      {"step": str(step), "format": "dflash-graph drafter"})
+        files.append(f"{name}.safetensors")
+    # through a Python file, so a failed write is an OSError with its errno (torch's own writer says RuntimeError)
+    with open(tmp / "trainer.pt", "wb") as f:
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
+                    "masters": [m.detach().cpu() for m in masters]}, f)
+    files.append("trainer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "data": data_state, **extra}, indent=2))
+    files.append("state.json")
+    for f in files:
+        _fsync_file(tmp / f)
+    manifest = {"format": FORMAT, "step": step,
+                "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files}}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    _fsync_file(tmp / "manifest.json")
+    _fsync_dir(tmp)
 
 
 def _point_latest(dirpath: Path, final: Path) -> None:
@@ -136,8 +183,9 @@ def _steps(dirpath: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def verify(ck: Path) -> str | None:
-    """None if the checkpoint directory is complete and unmodified, else what is wrong with it."""
+def verify(ck: Path, hashes: bool = True) -> str | None:
+    """None if the checkpoint directory is complete and unmodified, else what is wrong with it (hashes=False:
+    complete, each file of the manifest's size, without reading the files)."""
     mpath = ck / "manifest.json"
     if not mpath.exists():
         if (ck / "state.json").exists() and (ck / "trainer.pt").exists():
@@ -154,7 +202,7 @@ def verify(ck: Path) -> str | None:
             return f"{name} is missing"
         if p.stat().st_size != want.get("bytes"):
             return f"{name} has {p.stat().st_size:,} bytes, the manifest says {want.get('bytes'):,} (truncated?)"
-        if _sha256(p) != want.get("sha256"):
+        if hashes and _sha256(p) != want.get("sha256"):
             return f"{name} does not match its SHA-256 in the manifest (modified or corrupted)"
     try:
         json.loads((ck / "state.json").read_text())["step"]
@@ -178,6 +226,17 @@ def candidates(dirpath: Path) -> list[Path]:
         if legacy.is_dir() and not legacy.is_symlink():
             out.append(legacy)
     return out
+
+
+def newest_complete(dirpath: Path) -> tuple[int, Path] | None:
+    """The newest checkpoint on disk that is complete (manifest and file sizes; not hashed): its step and directory."""
+    for ck in candidates(dirpath):
+        if verify(ck, hashes=False) is None:
+            try:
+                return int(json.loads((ck / "state.json").read_text())["step"]), ck
+            except (ValueError, KeyError, TypeError, OSError):
+                continue
+    return None
 
 
 def load(dirpath: Path) -> tuple[dict, Path]:
@@ -204,16 +263,22 @@ def load(dirpath: Path) -> tuple[dict, Path]:
 def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler, generator, masters=()) -> None:
     from ..errors import GraphError, Location, Problem
 
+    hint = ("the graph's drafter changed since this checkpoint was written (models.<drafter>.config, dims, or a "
+            "config.json it reads): resume with the graph and --set flags the run used (run.json in the run "
+            "directory records them), or start a new run with another --out")
     for name, m in drafters.items():
-        state = load_file(str(ck / f"{name}.safetensors"))
+        path = ck / f"{name}.safetensors"
+        if not path.is_file():
+            saved = sorted(p.stem for p in ck.glob("*.safetensors"))
+            raise GraphError(Problem(f"checkpoint {ck} has no weights for the drafter '{name}' this graph trains "
+                                     f"(it holds: {', '.join(saved) or 'none'})", Location(str(ck)), hint=hint))
+        state = load_file(str(path))
+        diff = state_dict_differences(m.state_dict(), state)
+        if diff:
+            raise GraphError(Problem(f"this checkpoint does not fit the drafter '{name}' the graph builds: {diff}",
+                                     Location(str(path)), hint=hint))
         dev = next(m.parameters()).device
-        try:
-            m.load_state_dict({k: v.to(dev) for k, v in state.items()})
-        except RuntimeError as e:   # a different drafter shape than the one saved
-            first = str(e).strip().splitlines()
-            raise GraphError(Problem(f"checkpoint {ck} holds a drafter '{name}' of another shape: "
-                                     f"{' '.join(x.strip() for x in first[1:3])[:300]}", Location(str(ck)),
-                                     hint="resume with the graph the run started with, or start a new run")) from None
+        m.load_state_dict({k: v.to(dev) for k, v in state.items()})
     import pickle
 
     try:
@@ -224,10 +289,41 @@ def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler
                                  Location(str(ck / "trainer.pt")),
                                  hint="checkpoints are loaded with weights_only=True: a file holding other Python "
                                       "objects is refused, never run")) from None
-    optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
-    generator.set_state(blob["generator"])
-    with torch.no_grad():
-        for m, saved in zip(masters, blob.get("masters", [])):
-            m.copy_(saved.to(m.device))
+    try:
+        optimizer.load_state_dict(blob["optimizer"])
+        scheduler.load_state_dict(blob["scheduler"])
+        generator.set_state(blob["generator"])
+        saved_masters = blob.get("masters", [])
+        if masters and len(saved_masters) != len(masters):
+            raise ValueError(f"{len(saved_masters)} fp32 master tensors saved, the drafter has {len(masters)}")
+        with torch.no_grad():
+            for i, (m, saved) in enumerate(zip(masters, saved_masters)):
+                if tuple(m.shape) != tuple(saved.shape):
+                    raise ValueError(f"fp32 master {i} has shape {list(saved.shape)} in the checkpoint, "
+                                     f"{list(m.shape)} in the drafter")
+                m.copy_(saved.to(m.device))
+    except (ValueError, KeyError, RuntimeError) as e:   # the optimizer state of another drafter
+        raise GraphError(Problem(f"checkpoint {ck}/trainer.pt does not fit this graph's optimizer: "
+                                 f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
+                                 Location(str(ck / "trainer.pt")), hint=hint)) from None
     torch.set_rng_state(blob["torch_rng"])
+
+
+def state_dict_differences(want: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], first: int = 3) -> str:
+    """'' when `saved` loads into a module whose state dict is `want`; else the keys and shapes that differ (the
+    first few of each kind)."""
+    def few(items: list[str]) -> str:
+        return "; ".join(items[:first]) + (f"; ... ({len(items)} in all)" if len(items) > first else "")
+
+    missing = [k for k in want if k not in saved]
+    unexpected = [k for k in saved if k not in want]
+    shapes = [f"{k} is {list(saved[k].shape)} in the checkpoint, {list(want[k].shape)} in the graph"
+              for k in want if k in saved and tuple(saved[k].shape) != tuple(want[k].shape)]
+    parts = []
+    if shapes:
+        parts.append(f"{len(shapes)} tensor(s) of another shape ({few(shapes)})")
+    if missing:
+        parts.append(f"{len(missing)} missing from the checkpoint ({few(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} not in the graph's drafter ({few(unexpected)})")
+    return "; and ".join(parts)

@@ -4,6 +4,8 @@ summed over micro-batches and replicas before dividing, so every anchor weighs t
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 
 
@@ -32,3 +34,20 @@ class Smoothed:
     @property
     def value(self) -> float | None:
         return None if self.n == 0 else self.avg / (1 - self.beta ** self.n)
+
+
+def finite_or_none(obj):
+    """obj with every NaN or infinite float replaced by None (nested dicts and lists)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def json_line(rec: dict) -> str:
+    """One metrics.jsonl record: strict JSON (a non-finite number is written as null, never as the NaN or Infinity
+    tokens that json.dumps writes by default and strict parsers reject)."""
+    return json.dumps(finite_or_none(rec), allow_nan=False) + "\n"

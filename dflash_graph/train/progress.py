@@ -84,6 +84,10 @@ class Progress:
 
     def update(self, rec: dict) -> str:
         """Take one step's metrics record; show it; return the line."""
+        if rec.get("skipped"):     # a non-finite step: the trainer says so (note); the averages leave it out
+            if self._bar is not None:
+                self._bar.update(self._task, completed=rec["step"])
+            return f"skipped: {rec['skipped']}"
         loss = self.loss.update(rec["loss"])
         acc = rec.get("slot_acc") or []
         while len(self.slots) < len(acc):
@@ -112,6 +116,13 @@ class Progress:
             for d, b in rec.get("memory_bytes", {}).items():
                 self.writer.add_scalar(f"memory_gib/{d}", b / 2**30, step)
         return fields
+
+    def note(self, line: str) -> None:
+        """A line that must be seen whatever log_every says (a skipped step): above the bar, or on stderr."""
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

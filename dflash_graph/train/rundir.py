@@ -27,7 +27,7 @@ RUN_FILE = "run.json"
 # what a run writes into its directory (and --overwrite removes)
 OWNED = ("metrics.jsonl", "memory.json", RUN_FILE, "checkpoint", "checkpoints", ".checkpoint.old")
 ALWAYS_OK = frozenset({"train.steps", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
-                       "graph.description"})
+                       "train.max_nonfinite_steps", "graph.description"})
 WITH_FLAG = frozenset({"train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip"})
 
 
@@ -112,9 +112,15 @@ def record(out: Path, spec, argv: Sequence[str], overrides: Sequence[str], resum
 
 
 def _write(path: Path, obj: dict) -> None:
+    """Write a JSON file through a temporary and a rename: a full disk leaves the previous file whole, and no
+    temporary behind."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def check_resume(resume: Path, spec, allow: Sequence[str]) -> None:

@@ -19,9 +19,13 @@ class RunSummary:
         self.tps: list[float] = []
         self.last_eval: dict[str, Any] | None = None
         self.last_tau: float | None = None
+        self.skipped: list[int] = []
 
     def update(self, rec: dict[str, Any]) -> None:
-        self.loss.add(rec["loss"])
+        if rec.get("skipped"):                # NOTE [Non-finite steps]: no loss to smooth
+            self.skipped.append(rec["step"])
+        else:
+            self.loss.add(rec["loss"])
         self.tps.append(rec["tokens_per_s"])
         self.last_tau = rec.get("tau")
 
@@ -41,6 +45,10 @@ class RunSummary:
     def render(self, step: int, out: Path, memory: dict[str, tuple[int, int | None]]) -> str:
         steady = self.tps[1:] or self.tps          # step 1 includes one-off warm-up
         lines = [f"done: {step} steps"]
+        if self.skipped:
+            few = ", ".join(map(str, self.skipped[:10])) + (", ..." if len(self.skipped) > 10 else "")
+            lines.append(f"  skipped: {len(self.skipped)} step(s) with a non-finite loss or gradient norm ({few}); "
+                         "see \"skipped\" in metrics.jsonl")
         if self.loss.value is not None:
             lines.append(f"  loss (smoothed): {self.loss.value:.4f}   tau (training, last step): {self.last_tau}")
         if self.last_eval is not None:

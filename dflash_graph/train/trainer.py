@@ -6,18 +6,37 @@ devices, exec/distributed.py). Per micro-batch the replicas are visited in a fix
 rank produces replica r's batch from its own data shard and sends it, the rank that owns the trainable model
 (the writer: optimizer, metrics, checkpoints) consumes them in that order. Replica r of micro-batch m draws its
 random anchors from a generator seeded by (seed, m, r), so both modes draw the same anchors and resume needs no
-generator state."""
+generator state.
+
+NOTE [Non-finite steps]: a step whose loss or global gradient norm is NaN or infinite is skipped: the optimizer
+does not step (weights, fp32 masters and AdamW state stay those of the step before), the gradients are dropped,
+and the learning-rate schedule still advances, so the lr at step s is always the schedule's value at s and a
+resume needs nothing more than the scheduler's state. The step still consumed its data (the data position is
+the step). metrics.jsonl records it with "skipped" and null for the non-finite values. `train.max_nonfinite_steps`
+such steps in a row stop the run (exit 2), naming the steps and the last checkpoint, which a skip never makes
+non-finite (checkpoint.save also refuses non-finite tensors). Only the writer rank holds the loss and the
+optimizer, so the decision is the writer's alone and cannot differ between ranks; when it stops the run, it
+records the cause in the rendezvous store (Comm.fail) before it exits, and every other rank stops at its next
+wait with that cause (exit 4) instead of waiting on a peer that is gone.
+
+NOTE [Write failures]: an OSError while writing metrics.jsonl, a checkpoint or memory.json (a full disk, a
+directory made unwritable) stops the run with exit 2 and a message that names the path, the error, the newest
+complete checkpoint on disk, the steps metrics.jsonl holds, and a fix; a failed checkpoint leaves the previous
+ones intact (checkpoint.save), a failed metrics line is cut off again so the file stays one record per line."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +45,7 @@ import torch
 
 from ..analysis.launch import analyze_launch, device_for
 from ..analysis.memory import grad_nodes
-from ..errors import GraphError, Problem
+from ..errors import GraphError, Location, Problem
 from ..exec.devices import torch_devices
 from ..exec.interpreter import Interpreter
 from ..exec.models import ModelStore
@@ -35,7 +54,7 @@ from ..rewrite.pipeline import Plan
 from ..units import fmt_bytes
 from . import checkpoint
 from .data import PackedData, load_data
-from .metrics import acceptance
+from .metrics import acceptance, json_line
 
 
 @attrs.define
@@ -79,6 +98,62 @@ def _data_sources(typed) -> list:
 
 class Stop(Exception):
     """Ctrl-C under torchrun: every rank stops at its next node; the writer keeps the last completed step."""
+
+
+class RunFailed(Exception):
+    """The run cannot go on (non-finite steps in a row, a write that failed): `problem` says why and what is kept."""
+
+    def __init__(self, problem: Problem):
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+class WriteFailed(Exception):
+    """An OSError while writing one of the run's files: what was being written, where, and at which step."""
+
+    def __init__(self, what: str, path: Path, err: OSError, step: int):
+        super().__init__(f"{what}: {err}")
+        self.what, self.path, self.err, self.step = what, path, err, step
+
+
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
+_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def _append(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _steps(a: int, b: int) -> str:
+    return f"step {a}" if a == b else f"steps {a}-{b}"
+
+
+def _metrics_on_disk(path: Path) -> str:
+    """Which steps metrics.jsonl holds, as read back (what a failed write left)."""
+    steps = []
+    try:
+        for ln in path.read_text().splitlines():
+            try:
+                steps.append(int(json.loads(ln)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    except FileNotFoundError:
+        return "metrics.jsonl holds no step"
+    except OSError as e:
+        return f"metrics.jsonl cannot be read back ({e.strerror})"
+    return f"metrics.jsonl holds {_steps(min(steps), max(steps))}" if steps else "metrics.jsonl holds no step"
+
+
+def _location(path: Path) -> Location:
+    return Location(str(path))
+
+
+def _what_nonfinite(reason: str, loss: float, gnorm: float, short: bool = False) -> str:
+    if short:
+        return f"loss {loss:g}" if "loss" in reason else f"gradient norm {gnorm:g}"
+    return f"{reason} (loss {loss:g}, gradient norm {gnorm:g})"
 
 
 class Trainer:
@@ -156,15 +231,20 @@ class Trainer:
                               if registry.get(n.op).traits.sink and "loss" in typed.outputs_of(n.id))
         self.start_step = 0
         if opts.resume is not None and self.is_writer:
-            state, ck = checkpoint.load(opts.resume)
-            checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator, self.masters)
-            if "batches" not in state.get("data", {}):
-                raise GraphError(Problem(f"{ck} was written by an older dflash-graph (data position as epoch and "
-                                         "cursor, before per-replica shards)", None,
-                                         hint="start a new run in another --out directory"))
+            try:
+                state, ck = checkpoint.load(opts.resume)
+                checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator, self.masters)
+                if "batches" not in state.get("data", {}):
+                    raise GraphError(Problem(f"{ck} was written by an older dflash-graph (data position as epoch and "
+                                             "cursor, before per-replica shards)", None,
+                                             hint="start a new run in another --out directory"))
+            except GraphError as e:   # under torchrun the other ranks wait for the step: tell them why there is none
+                if self.comm is None:
+                    raise
+                self.fail(e.problems[0], "cannot resume")
             self.start_step = int(state["step"])
         if self.comm is not None:
-            self.start_step = int(self.comm.broadcast(self.start_step, src=self.writer))
+            self.start_step = int(self.comm.broadcast(self.start_step, src=self.writer, what="the step to resume from"))
             self.comm.plan_slots(self.start_step, self.steps, self.accum, R)
         for shard in self.shards.values():
             shard.skip(self.start_step * self.accum)
@@ -175,6 +255,8 @@ class Trainer:
                          for r in range(R)]
         self._step_now = self.start_step
         self._stop_requested = False
+        self.max_nonfinite = int(self.cfg.get("max_nonfinite_steps") or 3)
+        self._bad_steps: list[tuple[int, str, float, float]] = []
         from .summary import RunSummary
 
         self.summary = RunSummary(self, int(self.cfg["eval_every"]), int(self.cfg["eval_batches"]), self.seed)
@@ -252,16 +334,18 @@ class Trainer:
                         comm.send_header(step, a, r, time.perf_counter() - t0 - w, w)
         m: dict[str, Any] = {}
         if self.is_writer:
-            m = self._optimizer_step()
+            loss = sum(losses) / len(losses)
+            m = self._optimizer_step(None if math.isfinite(loss) else "non-finite loss")
             acc = torch.stack(accs).mean(0)
-            m.update({"loss": sum(losses) / len(losses), "slot_acc": [round(float(a), 4) for a in acc.tolist()],
+            m.update({"loss": loss, "slot_acc": [round(float(a), 4) for a in acc.tolist()],
                       **acceptance(counts.tolist())})
         wait = (comm.wait_seconds - wait0) if comm else 0.0
         ranks[self.rank] = [time.perf_counter() - t_step - wait, wait]
         m["ranks"] = {str(k): {"busy_s": round(v[0], 4), "wait_s": round(v[1], 4)} for k, v in sorted(ranks.items())}
         return m
 
-    def _optimizer_step(self) -> dict[str, Any]:
+    def _optimizer_step(self, skip: str | None = None) -> dict[str, Any]:
+        """Clip and step; `skip` (or a non-finite gradient norm) skips the optimizer step, NOTE [Non-finite steps]."""
         tr = self.interp.tracker
         if tr is not None:
             tr.charge(self.interp._backward_device(0), "optimizer")
@@ -270,29 +354,47 @@ class Trainer:
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.masters, float(self.cfg["grad_clip"])))
-        with self.interp.window(0, "optimizer"):
-            self.opt.step()
-        self.sched.step()
+        if skip is None and not math.isfinite(gnorm):
+            skip = "non-finite gradient norm"
+        if skip is None:
+            with self.interp.window(0, "optimizer"):
+                self.opt.step()
+        with warnings.catch_warnings():   # a skipped first step: torch warns that the scheduler stepped first
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
                 if m is not p:
-                    p.copy_(m)
+                    if skip is None:
+                        p.copy_(m)
                     p.grad = None
-        return {"grad_norm": gnorm, "lr": self.sched.get_last_lr()[0]}
+        return {"grad_norm": gnorm, "lr": self.sched.get_last_lr()[0], "skipped": skip}
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
         out = self.opts.out
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.fail(self.write_problem(WriteFailed("the run directory", out, e, self.start_step)))
         if self.comm is not None:
             self._write_rank_file()
         metrics_path = out / "metrics.jsonl"
         mode = "a" if self.opts.resume is not None and metrics_path.exists() else "w"
         if self.is_writer and mode == "a":   # lines past the checkpoint (a hard stop) are dropped: rewritten below
-            kept = [ln for ln in metrics_path.read_text().splitlines() if ln.strip()
-                    and json.loads(ln).get("step", 0) <= self.start_step]
-            metrics_path.write_text("".join(ln + "\n" for ln in kept))
+            kept = []
+            for ln in metrics_path.read_text().splitlines():
+                try:
+                    rec = json.loads(ln) if ln.strip() else None
+                except ValueError:          # a line cut short by a full disk or a kill: dropped with what follows
+                    continue
+                if isinstance(rec, dict) and rec.get("step", 0) <= self.start_step:
+                    kept.append(ln)
+            try:
+                metrics_path.write_text("".join(ln + "\n" for ln in kept))
+            except OSError as e:
+                self.fail(self.write_problem(WriteFailed("metrics.jsonl", metrics_path, e, self.start_step)))
         tr = self.interp.tracker
         cuda = sorted({self.tdev[d] for d in self.interp.local if self.tdev[d].startswith("cuda")})
         for d in cuda:
@@ -322,9 +424,15 @@ class Trainer:
         if tr is not None:
             tr.__enter__()
             self.interp.charge_weights()
-        lost = None
-        mf = open(metrics_path, mode) if self.is_writer else None
+        lost = failure = None
+        fd = None
         try:
+            if self.is_writer:
+                try:
+                    fd = os.open(metrics_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if mode == "w" else 0),
+                                 0o644)
+                except OSError as e:
+                    raise WriteFailed("metrics.jsonl", metrics_path, e, step) from None
             while step < self.steps:
                 self._step_now = step
                 t0 = time.perf_counter()
@@ -332,21 +440,16 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 step += 1
                 if self.is_writer:
-                    rec = {"step": step, "loss": round(m["loss"], 6), "tokens_per_s": round(self.tokens_per_step / dt, 1),
-                           "slot_acc": m["slot_acc"],
-                           "acc": round(sum(m["slot_acc"][1:]) / max(len(m["slot_acc"]) - 1, 1), 4),
-                           "tau": m["tau"], "slot_accept": m["slot_accept"],
-                           "lr": m["lr"], "grad_norm": round(m["grad_norm"], 4), "step_seconds": round(dt, 4),
-                           "ranks": m["ranks"], "memory_bytes": self._memory_now()}
+                    rec = self._record(step, m, dt)
                     self.summary.update(rec)
                     ev = self.summary.maybe_eval(step, self.steps)
                     if ev is not None:
                         rec["heldout"] = {k: v for k, v in ev.items() if k != "step"}
-                    mf.write(json.dumps(rec) + "\n")
-                    mf.flush()
+                    self._write_metrics(fd, rec, metrics_path)
                     self._progress(rec, t_start)
                     if ev is not None:
                         self._eval_line(ev)
+                    self._count_nonfinite(step, m)
                 if stop["requested"]:
                     interrupted = True
                     break
@@ -356,6 +459,10 @@ class Trainer:
             interrupted = hard_stop = True
         except Stop:
             interrupted = True
+        except WriteFailed as e:
+            failure = self.write_problem(e)
+        except RunFailed as e:
+            failure = e.problem
         except Exception as e:
             from ..exec.distributed import RankLost, _short
 
@@ -371,19 +478,26 @@ class Trainer:
                 signal.signal(signal.SIGINT, old_handler)
             if tr is not None:
                 tr.__exit__(None, None, None)
-            if mf is not None:
-                mf.close()
+            if fd is not None:
+                os.close(fd)
         if getattr(self, "progress", None) is not None:
             self.progress.close()
+        if failure is not None:
+            self.fail(failure)
         if self.comm is not None and (lost is not None or interrupted):
             return self._stop_distributed(step, lost)
         if hard_stop:
             print(f"stopped during step {step + 1}: kept the last saved checkpoint in {out / 'checkpoint'} (if any); "
                   f"continue with --resume {out}", file=sys.stderr)
             return 130
-        if self.is_writer:
-            self._save(step)
-        devices = self._write_memory()
+        try:
+            if self.is_writer:
+                self._save(step)
+            devices = self._write_memory()
+        except WriteFailed as e:
+            self.fail(self.write_problem(e))
+        except RunFailed as e:
+            self.fail(e.problem)
         if self.comm is not None:
             self.comm.close()
         if interrupted:
@@ -394,6 +508,106 @@ class Trainer:
             print(self.summary.render(step, out, {d: (r["predicted_peak_bytes"], r.get("measured_peak_bytes"))
                                                   for d, r in devices.items()}))
         return 0
+
+    # -- one step's record, non-finite steps, failed writes (NOTE [Non-finite steps], NOTE [Write failures]) --------
+    def _record(self, step: int, m: dict[str, Any], dt: float) -> dict[str, Any]:
+        loss, gnorm = m["loss"], m["grad_norm"]
+        rec = {"step": step, "loss": round(loss, 6) if math.isfinite(loss) else None,
+               "tokens_per_s": round(self.tokens_per_step / dt, 1), "slot_acc": m["slot_acc"],
+               "acc": round(sum(m["slot_acc"][1:]) / max(len(m["slot_acc"]) - 1, 1), 4),
+               "tau": m["tau"], "slot_accept": m["slot_accept"],
+               "lr": m["lr"], "grad_norm": round(gnorm, 4) if math.isfinite(gnorm) else None,
+               "step_seconds": round(dt, 4), "ranks": m["ranks"], "memory_bytes": self._memory_now()}
+        if m.get("skipped"):
+            rec["skipped"] = m["skipped"]
+        return rec
+
+    def _write_metrics(self, fd: int, rec: dict[str, Any], path: Path) -> None:
+        """Append one strict-JSON line; a write that fails part-way is cut off again (the file stays whole lines)."""
+        data = json_line(rec).encode()
+        pos = None
+        try:
+            pos = os.fstat(fd).st_size
+            _append(fd, data)
+        except OSError as e:
+            if pos is not None:
+                try:
+                    os.ftruncate(fd, pos)
+                except OSError:
+                    pass
+            raise WriteFailed(f"the metrics of step {rec['step']}", path, e, rec["step"]) from None
+
+    def _count_nonfinite(self, step: int, m: dict[str, Any]) -> None:
+        if not m.get("skipped"):
+            self._bad_steps.clear()
+            return
+        self._bad_steps.append((step, m["skipped"], m["loss"], m["grad_norm"]))
+        n, limit = len(self._bad_steps), self.max_nonfinite
+        good = step - n
+        before = f"those of step {good}" if good > 0 else "the initial ones"
+        self._note(f"step {step}: skipped, {_what_nonfinite(m['skipped'], m['loss'], m['grad_norm'])}: weights and "
+                   f"optimizer state stay {before} ({n} such step{'s' if n > 1 else ''} in a row; "
+                   f"train.max_nonfinite_steps = {limit} stops the run)")
+        if n < limit:
+            return
+        out = self.opts.out
+        steps = [s for s, *_ in self._bad_steps]
+        what = ", ".join(f"step {s}: {_what_nonfinite(r, lo, g, short=True)}" for s, r, lo, g in self._bad_steps[-3:])
+        saved = checkpoint.newest_complete(out)
+        kept = (f"the last good checkpoint is intact: {saved[1]} (step {saved[0]})" if saved else
+                f"no checkpoint was saved before (train.checkpoint_every = {int(self.cfg['checkpoint_every'])})")
+        then = f"then continue with --resume {out} --allow-change train.lr" if saved else "then run again"
+        raise RunFailed(Problem(
+            f"{_steps(steps[0], steps[-1])}: the loss or gradient norm was not finite in {n} steps in a row "
+            f"(train.max_nonfinite_steps = {limit}; {what}); their optimizer steps were skipped, so the weights are "
+            f"{before}; {kept}", _location(out / "metrics.jsonl"),
+            hint=f"lower train.lr (now {float(self.cfg['lr']):g}) or train.grad_clip (now "
+                 f"{float(self.cfg['grad_clip']):g}), check the loss node's params (gamma) and the data; {then}"))
+
+    def _note(self, line: str) -> None:
+        progress = getattr(self, "progress", None)
+        if progress is not None:
+            progress.note(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def write_problem(self, e: WriteFailed) -> Problem:
+        """What a failed write means to the user: where, why, what is on disk, what is lost, what to do."""
+        out, err = self.opts.out, e.err
+        # the file the OS refused (inside a checkpoint's temporary), else the file being written
+        path = Path(err.filename) if e.path.is_dir() and getattr(err, "filename", None) else e.path
+        code = errno.errorcode.get(err.errno or 0)
+        why = f"{err.strerror or err}" + (f" ({code})" if code else "")
+        saved = checkpoint.newest_complete(out) if out.is_dir() else None
+        kept = (f"the checkpoint of step {saved[0]} is complete on disk ({saved[1]})" if saved else
+                "no checkpoint is complete on disk")
+        metrics = _metrics_on_disk(out / "metrics.jsonl")
+        last = saved[0] if saved else 0
+        lost = (f"{_steps(last + 1, e.step)} trained but in no checkpoint" if e.step > last else
+                "nothing (every trained step is in the checkpoint)" if saved else "nothing (no step was trained)")
+        again = f"then continue with --resume {out}" if saved else "then run again"
+        if err.errno in _FULL:
+            fix = f"free space on the filesystem of {out} (df -h {out}) or lower train.keep_checkpoints, {again}"
+        elif err.errno in _DENIED:
+            fix = f"make {e.path if e.path.is_dir() else e.path.parent} writable by this user (or move {out} to a " \
+                  f"writable place), {again}"
+        else:
+            fix = f"check the filesystem of {out}, {again}"
+        return Problem(f"cannot write {e.what}: {why}", _location(path),
+                       context=f"saved: {kept}; {metrics}\n  lost: {lost}", hint=fix)
+
+    def fail(self, problem: Problem, how: str = "stopped the run"):
+        """Stop the run with exit 2 and `problem`. Under torchrun the cause goes to the rendezvous store first, so
+        every other rank stops at its next wait naming it (NOTE [Non-finite steps]), and this process exits at
+        once (pending receives would keep it alive)."""
+        if self.comm is None:
+            raise GraphError(problem)
+        devs = ", ".join(sorted(self.interp.local))
+        where = f"{problem.loc.render()}: " if problem.loc.file else ""
+        self.comm.fail(f"rank {self.rank} ({devs}) {how}: {where}{problem.message}")
+        print(f"dflash-graph: rank {self.rank} ({devs}): {GraphError(problem)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
 
     def _eval_line(self, ev: dict) -> None:
         if self.opts.progress and sys.stdout.isatty():
@@ -432,10 +646,20 @@ class Trainer:
             "torch": {k: self.tdev[k] for k in sorted(self.interp.local)}}, indent=2))
 
     def _save(self, step: int) -> None:
-        checkpoint.save(self.opts.out, step, self.store.drafters, self.opt, self.sched,
-                        {"batches": step * self.accum}, self.interp.generator,
-                        {"graph": self.plan.typed.ctx.spec.name}, self.masters,
-                        keep=int(self.cfg.get("keep_checkpoints") or 3))
+        out = self.opts.out
+        try:
+            checkpoint.save(out, step, self.store.drafters, self.opt, self.sched,
+                            {"batches": step * self.accum}, self.interp.generator,
+                            {"graph": self.plan.typed.ctx.spec.name}, self.masters,
+                            keep=int(self.cfg.get("keep_checkpoints") or 3))
+        except checkpoint.NonFiniteWeights as e:
+            saved = checkpoint.newest_complete(out)
+            kept = f"the last good checkpoint is intact: {saved[1]} (step {saved[0]})" if saved else "no checkpoint was saved before"
+            raise RunFailed(Problem(f"{e}; {kept}", _location(out / "checkpoints"),
+                                    hint=f"lower train.lr (now {float(self.cfg['lr']):g}), check the loss node's params "
+                                         "(gamma) and the data")) from None
+        except OSError as e:
+            raise WriteFailed(f"the checkpoint of step {step}", out / "checkpoints", e, step) from None
 
     def _memory_now(self) -> dict[str, int]:
         tr = self.interp.tracker
@@ -519,5 +743,12 @@ class Trainer:
                                "live tensor storages per logical device (exec/memtrack.py, as torch's MemTracker)",
                                "devices": {d: devices[d] for d in self.plan.memory.devices if d in devices},
                                "nodes": nodes}
-        (self.opts.out / "memory.json").write_text(json.dumps(out, indent=2))
+        path = self.opts.out / "memory.json"
+        tmp = path.with_name(f".memory.json.tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(out, indent=2))
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise WriteFailed("memory.json", path, e, self._step_now + 1) from None
         return out["devices"]
