@@ -13,6 +13,11 @@ last, then renamed to `step-N` (an atomic rename on one filesystem) and the dire
 newest complete step is on disk under its final name, so a SIGKILL anywhere leaves a good checkpoint, and a
 leftover temporary is deleted by the next save. `load` does not trust the link: it verifies steps newest first
 against their manifests and falls back to the newest one that verifies, naming each one it skipped.
+
+NOTE [Save hook]: for tests only, and inert unless the environment sets DFLASH_GRAPH_SAVE_HOOK. Its value is `FD`
+or `FD:STEP:POINT`: save() writes a line `STEP POINT` to the open file descriptor FD at each point of SAVE_POINTS
+it reaches, and in the save of step STEP stops for good at POINT (sleeps until it is killed). The kill test
+(tests/test_checkpoints.py) SIGKILLs real runs there, and at random moments between points.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +37,21 @@ from safetensors.torch import load_file, save_file
 
 FORMAT = "dflash-graph checkpoint 2"
 _STEP_RE = re.compile(r"^step-(\d+)$")
+HOOK_ENV = "DFLASH_GRAPH_SAVE_HOOK"
+# the points of a save, in order (NOTE [Save hook])
+SAVE_POINTS = ("begin", "tmp-created", "weights-written", "trainer-written", "state-written", "manifest-written",
+               "renamed", "link-made", "linked", "pruned")
+
+
+def _reached(point: str, step: int) -> None:
+    hook = os.environ.get(HOOK_ENV)
+    if not hook:
+        return
+    fd, _, stop = hook.partition(":")
+    os.write(int(fd), f"{step} {point}\n".encode())
+    if stop == f"{step}:{point}":
+        while True:
+            time.sleep(60)
 
 
 def _fsync_file(p: Path) -> None:
@@ -80,19 +101,24 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
     root = dirpath / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     clean_temporaries(dirpath)
+    _reached("begin", step)
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     tmp.mkdir()
+    _reached("tmp-created", step)
     files = []
     for name, m in drafters.items():
         save_file({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, str(tmp / f"{name}.safetensors"),
                   metadata={"step": str(step), "format": "dflash-graph drafter"})
         files.append(f"{name}.safetensors")
+    _reached("weights-written", step)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
                 "masters": [m.detach().cpu() for m in masters]}, tmp / "trainer.pt")
     files.append("trainer.pt")
+    _reached("trainer-written", step)
     (tmp / "state.json").write_text(json.dumps({"step": step, "data": data_state, **extra}, indent=2))
     files.append("state.json")
+    _reached("state-written", step)
     for f in files:
         _fsync_file(tmp / f)
     manifest = {"format": FORMAT, "step": step,
@@ -100,6 +126,7 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     _fsync_file(tmp / "manifest.json")
     _fsync_dir(tmp)
+    _reached("manifest-written", step)
     final = root / f"step-{step:08d}"
     if final.exists() and verify(final) is None:   # the same step again (a resume that stopped where it began):
         shutil.rmtree(tmp)                         # keep the complete one on disk rather than swap it non-atomically
@@ -108,14 +135,17 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
             shutil.rmtree(final)
         os.rename(tmp, final)
     _fsync_dir(root)
-    _point_latest(dirpath, final)
+    _reached("renamed", step)
+    _point_latest(dirpath, final, step)
+    _reached("linked", step)
     for old in _steps(dirpath)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(root)
+    _reached("pruned", step)
     return dirpath / "checkpoint"
 
 
-def _point_latest(dirpath: Path, final: Path) -> None:
+def _point_latest(dirpath: Path, final: Path, step: int) -> None:
     link = dirpath / "checkpoint"
     if link.exists() and not link.is_symlink():   # the older format's directory: keep it as a fallback
         legacy = dirpath / ".checkpoint.old"
@@ -125,6 +155,7 @@ def _point_latest(dirpath: Path, final: Path) -> None:
     tmp = dirpath / f".checkpoint.lnk{os.getpid()}"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(final.relative_to(dirpath))
+    _reached("link-made", step)
     os.replace(tmp, link)
     _fsync_dir(dirpath)
 
