@@ -14,10 +14,12 @@ newest complete step is on disk under its final name, so a SIGKILL anywhere leav
 leftover temporary is deleted by the next save. `load` does not trust the link: it verifies steps newest first
 against their manifests and falls back to the newest one that verifies, naming each one it skipped.
 
-NOTE [Save hook]: for tests only, and inert unless the environment sets DFLASH_GRAPH_SAVE_HOOK. Its value is `FD`
-or `FD:STEP:POINT`: save() writes a line `STEP POINT` to the open file descriptor FD at each point of SAVE_POINTS
-it reaches, and in the save of step STEP stops for good at POINT (sleeps until it is killed). The kill test
-(tests/test_checkpoints.py) SIGKILLs real runs there, and at random moments between points.
+NOTE [Save hook]: for tests only, and inert unless the environment sets DFLASH_GRAPH_SAVE_HOOK. Its value is `FD`,
+`FD:STEP:POINT` or `FD:STEP:+SECONDS`: save() writes a line `STEP POINT MONOTONIC-TIME` to the open file descriptor
+FD at each point of SAVE_POINTS it reaches; in the save of step STEP it stops for good at POINT (sleeps until it
+is killed), or SIGKILLs its own process SECONDS after the save began (a random moment, wherever the save then is:
+a timer in the process itself, so the moment does not depend on how fast another process reacts). The kill test
+(tests/test_checkpoints.py) SIGKILLs whole runs both ways.
 """
 
 from __future__ import annotations
@@ -48,10 +50,18 @@ def _reached(point: str, step: int) -> None:
     if not hook:
         return
     fd, _, stop = hook.partition(":")
-    os.write(int(fd), f"{step} {point}\n".encode())
-    if stop == f"{step}:{point}":
+    os.write(int(fd), f"{step} {point} {time.monotonic():.6f}\n".encode())
+    at, _, what = stop.partition(":")
+    if at != str(step):
+        return
+    if what == point:
         while True:
             time.sleep(60)
+    if what.startswith("+") and point == "begin":
+        import signal
+        import threading
+
+        threading.Timer(float(what[1:]), os.kill, (os.getpid(), signal.SIGKILL)).start()
 
 
 def _fsync_file(p: Path) -> None:
