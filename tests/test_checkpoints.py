@@ -137,6 +137,20 @@ def test_the_older_layout_still_resumes(tmp_path):
     assert checkpoint.load(legacy)[0]["step"] == 4 and (legacy / ".checkpoint.old" / "state.json").exists()
 
 
+def test_resume_keeps_the_metrics_through_the_checkpoint(tmp_path, capsys):
+    """A run killed after its last checkpoint (step 2) wrote records of steps 3 and 4, the last cut short: a resume
+    keeps steps 1-2 (3 and 4 are computed again), says it dropped the partial line, and leaves no temporary."""
+    from dflash_graph.train.trainer import _metrics_through
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    (tmp_path / ".metrics.jsonl.tmp123").write_text("left by a kill during an earlier rewrite")
+    _metrics_through(path, 2)
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [1, 2]
+    assert path.read_text().endswith("\n") and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    assert f"note: {path}: dropped 1 line(s) that are not complete JSON" in capsys.readouterr().err
+
+
 def _writer(d: Path, start: int, ready_w: int) -> None:
     """The child: save steps start, start+1, ... until killed (each step's weights filled with the step)."""
     try:
