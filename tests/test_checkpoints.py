@@ -284,12 +284,14 @@ def _gone(pgid: int) -> bool:
 
 def _kill_runs_inside_saves(tmp_path: Path, kills: int, steps: int, seed: int) -> dict:
     """Run `dflash-graph run` (a checkpoint every step) and SIGKILL it `kills` times inside a save, each time at a
-    random step: at a named point of the save (the hook stops it there; each point once, in a random order, while
-    points are left) or, after that, at a random moment after the save began (a kill between two points, maybe in
-    the middle of writing a file). After each kill, `--resume` must load the newest checkpoint that was renamed into
-    place before the kill (no complete one lost, no incomplete one taken) and continue. An uninterrupted run of the
-    same steps runs alongside; every record the killed runs ever wrote to metrics.jsonl, and the final file (each
-    step once), must equal its records exactly, and the final checkpoints must hold the same weights."""
+    random step: at a named point of the save (the hook stops it there and the test kills its process group) or at
+    a random moment after the save began (the run kills itself, between two points, maybe in the middle of writing
+    a file). With at least as many kills as points, each point once in a random order and then random moments;
+    with fewer, a random point of each phase in turn (before the rename, between it and the link, after). After
+    each kill, `--resume` must load the newest checkpoint that was renamed into place before the kill (no complete
+    one lost, no incomplete one taken) and continue. An uninterrupted run of the same steps runs alongside; every
+    record the killed runs ever wrote to metrics.jsonl, and the final file (each step once), must equal its records
+    exactly, and the final checkpoints must hold the same weights and optimizer state."""
     rnd = random.Random(seed)
     out, ref = tmp_path / "killed", tmp_path / "ref"
     points = checkpoint.SAVE_POINTS
@@ -381,6 +383,10 @@ def _kill_runs_inside_saves(tmp_path: Path, kills: int, steps: int, seed: int) -
     for name in ("drafter.safetensors",):
         wa, wb = load_file(str(a / name)), load_file(str(b / name))
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ta, tb = (torch.load(ck / "trainer.pt", weights_only=True) for ck in (a, b))
+    assert all(torch.equal(x, y) for x, y in zip(ta["masters"], tb["masters"]))
+    sa, sb = ta["optimizer"]["state"], tb["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k][f], sb[k][f]) for k in sa for f in sa[k])
     inside = sum(x[2] for x in landed)
     print(f"\n{kills} kills, {inside} inside a save; {steps} steps compared ({len(written)} records before resumes):")
     for step, where, _ in landed:
