@@ -17,6 +17,13 @@ against their manifests and falls back to the newest one that verifies, naming e
 A save that fails (a full disk, a directory made unwritable: an OSError, also for what safetensors reports in its
 own exception type) deletes its temporary and re-raises; the previous steps are untouched. A save of weights or
 fp32 masters that hold a NaN or an infinity is refused before anything is written (`NonFiniteWeights`).
+
+NOTE [Save hook]: for tests only, and inert unless the environment sets DFLASH_GRAPH_SAVE_HOOK. Its value is `FD`,
+`FD:STEP:POINT` or `FD:STEP:+SECONDS`: save() writes a line `STEP POINT MONOTONIC-TIME` to the open file descriptor
+FD at each point of SAVE_POINTS it reaches; in the save of step STEP it stops for good at POINT (sleeps until it
+is killed), or SIGKILLs its own process SECONDS after the save began (a random moment, wherever the save then is:
+a timer in the process itself, so the moment does not depend on how fast another process reacts). The kill test
+(tests/test_checkpoints.py) SIGKILLs whole runs both ways.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +43,29 @@ from safetensors.torch import load_file, save_file
 
 FORMAT = "dflash-graph checkpoint 2"
 _STEP_RE = re.compile(r"^step-(\d+)$")
+HOOK_ENV = "DFLASH_GRAPH_SAVE_HOOK"
+# the points of a save, in order (NOTE [Save hook])
+SAVE_POINTS = ("begin", "tmp-created", "weights-written", "trainer-written", "state-written", "manifest-written",
+               "renamed", "link-made", "linked", "pruned")
+
+
+def _reached(point: str, step: int) -> None:
+    hook = os.environ.get(HOOK_ENV)
+    if not hook:
+        return
+    fd, _, stop = hook.partition(":")
+    os.write(int(fd), f"{step} {point} {time.monotonic():.6f}\n".encode())
+    at, _, what = stop.partition(":")
+    if at != str(step):
+        return
+    if what == point:
+        while True:
+            time.sleep(60)
+    if what.startswith("+") and point == "begin":
+        import signal
+        import threading
+
+        threading.Timer(float(what[1:]), os.kill, (os.getpid(), signal.SIGKILL)).start()
 
 
 def _fsync_file(p: Path) -> None:
@@ -117,8 +148,10 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
     root = dirpath / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     clean_temporaries(dirpath)
+    _reached("begin", step)
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
     tmp.mkdir()
+    _reached("tmp-created", step)
     try:
         _write_step(tmp, step, drafters, optimizer, scheduler, data_state, generator, extra, masters)
     except BaseException:      # a full disk, an unwritable directory, Ctrl-C: no half-written step is left behind
@@ -132,10 +165,13 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
             shutil.rmtree(final)
         os.rename(tmp, final)
     _fsync_dir(root)
-    _point_latest(dirpath, final)
+    _reached("renamed", step)
+    _point_latest(dirpath, final, step)
+    _reached("linked", step)
     for old in _steps(dirpath)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(root)
+    _reached("pruned", step)
     return dirpath / "checkpoint"
 
 
@@ -145,14 +181,17 @@ def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state
         _save_tensors({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, tmp / f"{name}.safetensors",
                       {"step": str(step), "format": "dflash-graph drafter"})
         files.append(f"{name}.safetensors")
+    _reached("weights-written", step)
     # through a Python file, so a failed write is an OSError with its errno (torch's own writer says RuntimeError)
     with open(tmp / "trainer.pt", "wb") as f:
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
                     "masters": [m.detach().cpu() for m in masters]}, f)
     files.append("trainer.pt")
+    _reached("trainer-written", step)
     (tmp / "state.json").write_text(json.dumps({"step": step, "data": data_state, **extra}, indent=2))
     files.append("state.json")
+    _reached("state-written", step)
     for f in files:
         _fsync_file(tmp / f)
     manifest = {"format": FORMAT, "step": step,
@@ -160,9 +199,10 @@ def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     _fsync_file(tmp / "manifest.json")
     _fsync_dir(tmp)
+    _reached("manifest-written", step)
 
 
-def _point_latest(dirpath: Path, final: Path) -> None:
+def _point_latest(dirpath: Path, final: Path, step: int) -> None:
     link = dirpath / "checkpoint"
     if link.exists() and not link.is_symlink():   # the older format's directory: keep it as a fallback
         legacy = dirpath / ".checkpoint.old"
@@ -172,6 +212,7 @@ def _point_latest(dirpath: Path, final: Path) -> None:
     tmp = dirpath / f".checkpoint.lnk{os.getpid()}"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(final.relative_to(dirpath))
+    _reached("link-made", step)
     os.replace(tmp, link)
     _fsync_dir(dirpath)
 

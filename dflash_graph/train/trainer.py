@@ -96,6 +96,34 @@ def _data_sources(typed) -> list:
     return [n for n in typed.graph.nodes if not n.inputs and registry.get(n.op).traits.pure is False]
 
 
+def _metrics_through(path: Path, step: int) -> None:
+    """On resume from the checkpoint of `step`, keep metrics.jsonl's records of steps 1..step: the records past it
+    (steps a killed run computed after its last checkpoint) are computed again, and a line a kill cut short is not
+    JSON. Rewritten to a temporary and renamed over, so a kill here leaves the old file or the new one."""
+    for stale in path.parent.glob(f".{path.name}.tmp*"):   # what a kill during an earlier rewrite left
+        stale.unlink(missing_ok=True)
+    kept, torn = [], 0
+    for ln in path.read_text().splitlines():
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= step:
+            kept.append(ln)
+    if torn:
+        print(f"note: {path}: dropped {torn} line(s) that are not complete JSON (a run killed while writing them)",
+              file=sys.stderr)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write("".join(ln + "\n" for ln in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class Stop(Exception):
     """Ctrl-C under torchrun: every rank stops at its next node; the writer keeps the last completed step."""
 
@@ -382,17 +410,9 @@ class Trainer:
             self._write_rank_file()
         metrics_path = out / "metrics.jsonl"
         mode = "a" if self.opts.resume is not None and metrics_path.exists() else "w"
-        if self.is_writer and mode == "a":   # lines past the checkpoint (a hard stop) are dropped: rewritten below
-            kept = []
-            for ln in metrics_path.read_text().splitlines():
-                try:
-                    rec = json.loads(ln) if ln.strip() else None
-                except ValueError:          # a line cut short by a full disk or a kill: dropped with what follows
-                    continue
-                if isinstance(rec, dict) and rec.get("step", 0) <= self.start_step:
-                    kept.append(ln)
+        if self.is_writer and mode == "a":
             try:
-                metrics_path.write_text("".join(ln + "\n" for ln in kept))
+                _metrics_through(metrics_path, self.start_step)
             except OSError as e:
                 self.fail(self.write_problem(WriteFailed("metrics.jsonl", metrics_path, e, self.start_step)))
         tr = self.interp.tracker
