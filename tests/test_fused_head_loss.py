@@ -148,7 +148,8 @@ def test_chunk_grad_is_the_derivative_of_chunk_loss(kind):
 def test_head_chunk_is_liger_rule():
     assert costs.head_chunk(8192, 5120, 248320) == 256          # cdiv(V, H) = 49, cdiv(8192, 49) = 168 -> 256
     assert costs.head_chunk(4096 * 4, 4096, 32000) == 2048      # Liger's own example (fused_linear_cross_entropy.py)
-    assert costs.head_chunk(1024, 256, 248320) == costs.MIN_CHUNK_ROWS == 64   # the rule's 2, floored
+    assert costs.head_chunk(1024, 256, 248320) == costs.MIN_CHUNK_ROWS == 32   # the rule's 2, floored
+    assert costs.loss_chunk(1024) == 32 and costs.loss_chunk(8192) == 256 and costs.loss_chunk(10) == 10
     assert costs.head_chunk(3, 4, 1000) == 3 and costs.head_chunk(5, 1000, 10) == 5   # capped at the rows
 
 
@@ -418,7 +419,7 @@ inputs = { logits = "sh.logits", target = "th.logits", valid = "valid.out" }
             plan = compile_typed(infer(*build(parse_graph(base.replace("HEAD", head), "t.toml"))))
             assert (plan.typed.graph["loss"].op == "fused_head_loss") == fuses, head
             if fuses:
-                assert plan.typed.params["loss"]["chunk"] == costs.head_chunk(128, 8, 512) == 64
+                assert plan.typed.params["loss"]["chunk"] == costs.head_chunk(128, 8, 512) == 32
 
 
 def test_z_largest_errors(capsys):

@@ -55,11 +55,12 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
                 TimeRemainingColumn
 
-            from ..cli.console import rich_console
+            from rich.console import Console
 
+            # only on a terminal (_rich_ok): a closed pipe cannot reach this console
             self._bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[line]}"), TimeRemainingColumn(), transient=False,
-                                     console=rich_console(file=self.stream))
+                                     console=Console(file=self.stream))
             self._task = self._bar.add_task("train", total=total, completed=start, line="")
             self._bar.start()
         self.writer = None
