@@ -106,6 +106,12 @@ class MemoryReport:
 
 def grad_nodes(typed: Typed) -> set[str]:
     """Nodes autograd records: those using a trainable model's own weights, and everything downstream of them."""
+    if "_grad_nodes" not in typed.cache:
+        typed.cache["_grad_nodes"] = frozenset(_grad_nodes(typed))
+    return set(typed.cache["_grad_nodes"])
+
+
+def _grad_nodes(typed: Typed) -> set[str]:
     out: set[str] = set()
     for n in typed.graph.nodes:
         op = registry.get(n.op)
@@ -156,6 +162,12 @@ def _cached_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
 
 def component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
     """Per physical device: owner component ('target.lm_head') -> parameter count."""
+    if "_component_bytes" not in typed.cache:
+        typed.cache["_component_bytes"] = _component_bytes(typed)
+    return {d: dict(c) for d, c in typed.cache["_component_bytes"].items()}
+
+
+def _component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for n in typed.graph.nodes:
         op = registry.get(n.op)
