@@ -39,6 +39,7 @@ class GraphContext:
     spec: GraphSpec
     env: DimEnv = attrs.field(eq=False)
     models: Mapping[str, ModelInfo]
+    _placements: dict = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     def loc(self, node: Node, *sub: str | int) -> Location:
         if node.spec_index is not None:
@@ -46,7 +47,10 @@ class GraphContext:
         return Location(self.spec.file, None, f"node '{node.id}' (made by a rewrite)")
 
     def devices_of(self, placement: str) -> tuple[str, ...]:
-        return self.spec.placement(placement)
+        hit = self._placements.get(placement)
+        if hit is None:
+            hit = self._placements[placement] = self.spec.placement(placement)
+        return hit
 
 
 def _spec_node(spec: GraphSpec, index: int):
@@ -261,9 +265,10 @@ def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
 # inputs and the context, so after a rewrite (`prev` is the graph before it) a node equal to its old self whose
 # inputs have their old types keeps its old result without being inferred again. A rewrite changes a few nodes,
 # so re-inference costs a comparison per node instead of a contract match per node, and check time grows with
-# the node count instead of with its square (benchmarks/check_scaling.py). The exceptions: a node reading a
-# handle (a forward's taps), whose legality depends on its sibling hook nodes, is always inferred again, and a
-# node cost (node_cache) is handed on only when no output is a handle, whose readers decide the cost.
+# the node count instead of with its square (benchmarks/check_scaling.py). The exception: a node reading a
+# handle (a forward's taps), whose legality depends on its sibling hook nodes, is always inferred again. A node
+# cost (node_cache) is handed on with the node; a forward's cost, which its hook nodes decide, is keyed by them
+# (analysis/memory._cached_cost).
 
 def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     types: dict[Ref, TensorType] = {}
@@ -283,7 +288,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
                 params[node.id] = prev.params[node.id]
                 for name, t in outs.items():
                     types[Ref(node.id, name)] = t
-                if node.id in prev.node_cache and all(t.dtype != "handle" for t in outs.values()):
+                if node.id in prev.node_cache:   # a forward's cost is keyed by its hooks (memory._cached_cost)
                     node_cache[node.id] = prev.node_cache[node.id]
                 continue
         try:

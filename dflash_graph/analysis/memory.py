@@ -154,10 +154,13 @@ def hook_refs(typed: Typed, nid: str) -> dict[int, Ref]:
 def _cached_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
     # costs depend on the node and its types, not on the device: compute once per node, kept across rewrites
     # that leave the node as it was (infer: NOTE [Incremental inference])
+    # (a forward's cost also depends on which layers its hook nodes capture: keyed by them)
     cache = typed.node_cache.setdefault(node.id, {})
-    if grad not in cache:
-        cache[grad] = node_cost(typed, node, grad)
-    return cache[grad]
+    key = (grad, tuple(sorted(hook_refs(typed, node.id).items()))) if node.id in typed.params and \
+        Ref(node.id, "taps") in typed.types else grad
+    if key not in cache:
+        cache[key] = node_cost(typed, node, grad)
+    return cache[key]
 
 
 def component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
@@ -195,6 +198,8 @@ class _Ev(NamedTuple):
 
 
 class _Seq:
+    labels = True
+
     def __init__(self):
         self.events: list[Event] = []
         self.ids: dict[Any, int] = {}
@@ -217,6 +222,37 @@ class _Seq:
 
     def live(self, key: Any) -> bool:
         return key in self.ids
+
+    live_ = live
+
+
+class _PeakSeq:
+    """The live-byte peak of an allocation sequence without building it (labels ignored): what `live_peaks`
+    prices every rewrite candidate with. The same as events_peak over the events a _Seq would record."""
+    labels = False
+
+    def __init__(self, rounded: bool):
+        self.sizes: dict[Any, int] = {}
+        self.live = self.peak = 0
+        self.rounded = rounded
+
+    def alloc(self, key: Any, size: int, label: str = "") -> None:
+        if size <= 0:
+            return
+        if self.rounded:
+            size = round_size(size)
+        self.sizes[key] = size          # a key allocated twice: its first block is never freed, as in _Seq
+        self.live += size
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def free(self, key: Any, label: str = "") -> None:
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.live -= size
+
+    def live_(self, key: Any) -> bool:
+        return key in self.sizes
 
 
 def _tensor_desc(typed: Typed, ref: Ref) -> str:
@@ -252,13 +288,15 @@ def _compressed(program: tuple[tuple[str, str, int], ...]) -> tuple[tuple[str, s
     return (("alloc", "peak", extra), *out_steps, ("free", "peak", 0))
 
 
-def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tuple[list[Event], dict[str, int]]:
+def _device_events(typed: Typed, device: str, steps: int, compress: bool,
+                   seq: "_Seq | _PeakSeq | None" = None) -> tuple[list[Event], dict[str, int]]:
     g, ctx = typed.graph, typed.ctx
     on = [n for n in g.nodes if device in ctx.devices_of(n.device)]
     on_ids = {n.id for n in on}
     grads = grad_nodes(typed)
     costs = {n.id: _cached_cost(typed, n, n.id in grads) for n in on}
-    seq = _Seq()
+    seq = _Seq() if seq is None else seq
+    desc = _tensor_desc if seq.labels else (lambda typed, ref: "")
     # load: weights (a model's decoder layers as one tensor block per layer), optimizer state, queue buffers
     weight_bytes = opt_bytes = 0
     trainable_params: dict[str, int] = {}
@@ -318,11 +356,11 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
                         if key.startswith("tap:"):
                             ref = taps[int(key[4:])]
                             if kind == "alloc":
-                                seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)} (hooked by {ref.node})")
+                                seq.alloc(ref, size, f"{n.id}/{desc(typed, ref)} (hooked by {ref.node})")
                         elif key.startswith("out:"):
                             ref = Ref(n.id, key[4:])
                             if kind == "alloc" and ref in typed.types:
-                                seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)}")
+                                seq.alloc(ref, size, f"{n.id}/{desc(typed, ref)}")
                         elif kind == "alloc":
                             seq.alloc((n.id, key), size, f"{n.id}/{key}")
                         else:
@@ -346,7 +384,7 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
                 label = f"{n.id}/backward"
                 if n.model:
                     for owner in trainable_params:
-                        if owner.startswith(n.model + ".") and not seq.live(("grad", owner)):
+                        if owner.startswith(n.model + ".") and not seq.live_(("grad", owner)):
                             seq.alloc(("grad", owner), trainable_params[owner] * trainable_width[owner],
                                   f"{label} weight grad {owner}")
                 if cost.workspace_bytes:
@@ -388,7 +426,7 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
             for owner in trainable_params:
                 seq.free(("grad", owner), "zero_grad(set_to_none=True)")
                 seq.free(("grad32", owner), "zero_grad(set_to_none=True)")
-    return seq.events, {"weights": weight_bytes, "optimizer": opt_bytes}
+    return getattr(seq, "events", []), {"weights": weight_bytes, "optimizer": opt_bytes}
 
 
 @attrs.frozen
@@ -508,7 +546,9 @@ def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:
         if key not in typed.cache:
             # on CUDA every block is rounded (allocator.round_size): a rewrite that saves bytes but adds a
             # tensor can still raise the rounded total
-            typed.cache[key] = events_peak(device_events(typed, name, steps=1, compress=True)[0], rounded=cuda)
+            seq = _PeakSeq(rounded=cuda)    # = events_peak(device_events(typed, name, 1, True)[0], cuda)
+            _device_events(typed, name, 1, True, seq)
+            typed.cache[key] = seq.peak
         peaks[name] = typed.cache[key]
     return peaks, flops
 
