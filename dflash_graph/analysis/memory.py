@@ -226,15 +226,20 @@ class _Seq:
     live_ = live
 
 
+class _OverLimit(Exception):
+    pass
+
+
 class _PeakSeq:
     """The live-byte peak of an allocation sequence without building it (labels ignored): what `live_peaks`
     prices every rewrite candidate with. The same as events_peak over the events a _Seq would record."""
     labels = False
 
-    def __init__(self, rounded: bool):
+    def __init__(self, rounded: bool, limit: int | None = None):
         self.sizes: dict[Any, int] = {}
         self.live = self.peak = 0
         self.rounded = rounded
+        self.limit = limit
 
     def alloc(self, key: Any, size: int, label: str = "") -> None:
         if size <= 0:
@@ -245,6 +250,8 @@ class _PeakSeq:
         self.live += size
         if self.live > self.peak:
             self.peak = self.live
+            if self.limit is not None and self.peak > self.limit:
+                raise _OverLimit
 
     def free(self, key: Any, label: str = "") -> None:
         size = self.sizes.pop(key, None)
@@ -530,27 +537,43 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
     return MemoryReport(devices, allocator)
 
 
-def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:
+def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None) -> tuple[dict[str, int], dict[str, int]] | None:
     """Fast per-device (live peak bytes, FLOPs) of one step, without the allocator model: the rewrite driver's
-    cost function."""
+    cost function. With `bound` (a peak per device), None as soon as one device's peak is seen to pass its
+    bound: the rewrite driver rejects that candidate without replaying the rest (NOTE [Rewrite pricing])."""
     grads = grad_nodes(typed)
     flops: dict[str, int] = {}
     for n in typed.graph.nodes:
         f = _cached_cost(typed, n, n.id in grads).flops
         for d in typed.ctx.devices_of(n.device):
             flops[d] = flops.get(d, 0) + f
-    peaks = {}
+    keys = {}
     for name in typed.ctx.spec.devices:
         cuda = typed.ctx.spec.devices[name].torch.startswith("cuda")
-        key = ("live_peak", _signature(typed, name), cuda)
+        keys[name] = ("live_peak", _signature(typed, name), cuda)
+    # under a bound the device with the most nodes goes first (it is where a rewrite's effect usually is, and
+    # the first device over its bound ends the replay); the answer lists the devices in their written order
+    order = sorted(keys, key=lambda d: -len(keys[d][1])) if bound is not None else list(keys)
+    found = {}
+    for name in order:
+        key, cuda = keys[name], keys[name][2]
         if key not in typed.cache:
             # on CUDA every block is rounded (allocator.round_size): a rewrite that saves bytes but adds a
             # tensor can still raise the rounded total
-            seq = _PeakSeq(rounded=cuda)    # = events_peak(device_events(typed, name, 1, True)[0], cuda)
-            _device_events(typed, name, 1, True, seq)
+            limit = None if bound is None else bound.get(name, 0)
+            seq = _PeakSeq(cuda, limit)    # = events_peak(device_events(typed, name, 1, True)[0], cuda)
+            try:
+                _device_events(typed, name, 1, True, seq)
+            except _OverLimit:
+                return None
             typed.cache[key] = seq.peak
-        peaks[name] = typed.cache[key]
-    return peaks, flops
+        found[name] = typed.cache[key]
+        if bound is not None and found[name] > bound.get(name, 0):
+            return None
+    return {name: found[name] for name in keys}, flops
+
+
+live_peaks.bounded = True      # the rewrite driver may pass `bound`
 
 
 def events_peak(events, rounded: bool = False) -> int:

@@ -105,7 +105,14 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                         if _replicas(new) != _replicas(typed):
                             rejected.add(key)      # NOTE [Replicas]
                             continue
-                        new_peaks, new_flops = costs(new)
+                        if not rep.always and getattr(costs, "bounded", False):
+                            priced = costs(new, bound=peaks)     # None: some device's peak rises
+                            if priced is None:
+                                rejected.add(key)
+                                continue
+                        else:
+                            priced = costs(new)
+                        new_peaks, new_flops = priced
                         if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
                             rejected.add(key)
                             continue
