@@ -125,7 +125,7 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                                                {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
                         typed, peaks, flops = new, new_peaks, new_flops
                         if verify:
-                            infer(typed.graph, typed.ctx)
+                            _check_incremental(typed)
                         changed = True
                         break
                     if changed:
@@ -133,6 +133,18 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
         if len(applied) == round_start:
             break
     return typed, applied
+
+
+def _check_incremental(typed: Typed) -> None:
+    """Incremental re-inference (NOTE [Incremental inference]) gives what inferring from scratch gives: the same
+    types and params, in the same order."""
+    full = infer(typed.graph, typed.ctx)
+    if list(full.types.items()) != list(typed.types.items()) or \
+            list(full.params.items()) != list(typed.params.items()):
+        diff = sorted({str(r) for r in full.types.keys() ^ typed.types.keys()} |
+                      {str(r) for r in full.types.keys() & typed.types.keys() if full.types[r] != typed.types[r]} |
+                      {n for n in full.params.keys() & typed.params.keys() if full.params[n] != typed.params[n]})
+        raise ContractBroken(f"incremental re-inference differs from inferring the graph from scratch: {diff or 'order'}")
 
 
 def _replicas(typed: Typed) -> int:
