@@ -161,7 +161,9 @@ def _replicas(typed: Typed) -> int:
     (exec/interpreter.py, analysis/memory.py), so a node on one device runs that many times per step. A rewrite
     that removed the last node of that group (a transfer round trip through it, say) would change how often
     every other node runs: it is not taken."""
-    return max((len(typed.ctx.devices_of(n.device)) for n in typed.graph.nodes), default=1)
+    from ..analysis.launch import replicas
+
+    return replicas(typed)
 
 
 def _fingerprint(g: Graph) -> int:
