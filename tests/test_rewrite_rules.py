@@ -513,3 +513,42 @@ def test_every_rule_has_a_doc_page(request):
         assert f"({name}.md)" in index, f"docs/rules/README.md does not link {name}.md"
     for pass_name, _ in DEFAULT_TABLES:
         assert f"`{pass_name}`" in index
+
+
+def _check_scaling():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("check_scaling", root / "benchmarks" / "check_scaling.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rewrite_bound_refuses_with_hint_and_checks_as_written(tmp_path):
+    """NOTE [Rewrite bound]: a graph over MAX_REWRITE_NODES is refused for rewriting with the bound named and
+    --no-rewrite as the hint; as written it checks. Graphs at the bound are rewritten (the widened graphs of
+    benchmarks/check_scaling.py, whose rewrites the incremental engine applies as the full one does:
+    tests/test_rewrite_properties.py, property g)."""
+    from dflash_graph.errors import GraphError
+    from dflash_graph.rewrite.engine import MAX_REWRITE_NODES
+
+    cs = _check_scaling()
+    over = cs.wide_graph(tmp_path, MAX_REWRITE_NODES + 10)
+    with pytest.raises(GraphError) as e:
+        compile_graph(str(over))
+    msg = str(e.value)
+    assert f"over the bound of {MAX_REWRITE_NODES} for rewriting" in msg and "--no-rewrite" in msg
+    assert not compile_graph(str(over), rewrite=False).rewritten
+    plan = compile_graph(str(cs.wide_graph(tmp_path, 50)))
+    assert len(plan.applied) > 40 and plan.memory.fits
+
+
+def test_check_scaling_benchmark_smoke(capsys):
+    """benchmarks/check_scaling.py runs at small sizes and reports a size over a bound as refused (it asserts
+    nothing about time)."""
+    cs = _check_scaling()
+    assert cs.main(["--nodes", "25", "--written", "100", "--layers", "2", "600"]) == 0
+    out = capsys.readouterr().out
+    assert "exponent" in out and "600  refused: model 'target' has 600 layers, over the bound of 512" in out
