@@ -199,6 +199,10 @@ class _Ev(NamedTuple):
 
 class _Seq:
     labels = True
+    at: str | None = ""
+
+    def start(self, it: int) -> None:
+        pass
 
     def __init__(self):
         self.events: list[Event] = []
@@ -232,14 +236,25 @@ class _OverLimit(Exception):
 
 class _PeakSeq:
     """The live-byte peak of an allocation sequence without building it (labels ignored): what `live_peaks`
-    prices every rewrite candidate with. The same as events_peak over the events a _Seq would record."""
+    prices every rewrite candidate with. The same as events_peak over the events a _Seq would record. It also
+    notes where the replay is (`at`: the node whose forward it is in, "" in the load phase, None in a backward)
+    and, at the start of each iteration of the first step, the live bytes and the weight gradients' bytes among
+    them (`starts`): what a rejection certificate needs (rewrite/engine.py)."""
     labels = False
+    at: str | None = ""
 
     def __init__(self, rounded: bool, limit: int | None = None):
         self.sizes: dict[Any, int] = {}
         self.live = self.peak = 0
         self.rounded = rounded
         self.limit = limit
+        self.starts: list[tuple[int, int]] = []
+        self.it = -1
+
+    def start(self, it: int) -> None:
+        grads = sum(v for k, v in self.sizes.items() if type(k) is tuple and k and k[0] == "grad")
+        self.starts.append((self.live, grads))
+        self.it = it
 
     def alloc(self, key: Any, size: int, label: str = "") -> None:
         if size <= 0:
@@ -344,7 +359,10 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
         for it in range(iters):
             left = dict(consumers_left_init)
             saved_refs: dict[Ref, int] = {}     # ref -> backward nodes still holding it
+            if step == 0:
+                seq.start(it)
             for n in g.nodes:
+                seq.at = n.id if step == 0 else None   # where the replay is (NOTE [Rejection certificates])
                 here = n.id in on_ids
                 cost = costs.get(n.id, NodeCost())
                 if here:
@@ -384,6 +402,7 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                     if left[r] == 0 and r not in saved_refs:
                         seq.free(r, f"{n.id}/last use of {r}")
             # backward
+            seq.at = None
             bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
             grad_of: set[Ref] = set()
             for n in bwd:
@@ -565,6 +584,10 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None) -> tuple[di
             try:
                 _device_events(typed, name, 1, True, seq)
             except _OverLimit:
+                # the device, where its live bytes passed the bound, in which iteration, and the live and
+                # weight-gradient bytes at the start of the first iteration and of that one
+                typed.cache["_over"] = (name, seq.at, seq.it, seq.starts[0] if seq.starts else None,
+                                        seq.starts[-1] if seq.starts else None)
                 return None
             typed.cache[key] = seq.peak
         found[name] = typed.cache[key]
@@ -574,6 +597,40 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None) -> tuple[di
 
 
 live_peaks.bounded = True      # the rewrite driver may pass `bound`
+
+
+def load_signature(typed: Typed, device: str) -> tuple:
+    """What a device's allocation sequence depends on beyond its nodes in order: the resident weights and
+    training state (which components its nodes use, as counts of nodes, so that two graphs with the same
+    signature keep it when the same nodes are removed from both), the transfer queue buffers, and gradient
+    accumulation. How often a step runs the device's nodes (the replica count, and whether a node is placed on
+    it directly) is the rewrite driver's to check. Its rejection certificates (rewrite/engine.py) hold while the
+    signature is unchanged."""
+    from collections import Counter
+
+    key = ("_load_signature", device)
+    if key not in typed.cache:
+        g, ctx = typed.graph, typed.ctx
+        on = [n for n in g.nodes if device in ctx.devices_of(n.device)]
+        comps: Counter = Counter()
+        for n in on:
+            op = registry.get(n.op)
+            if n.model and op.components:
+                m = ctx.models[n.model]
+                comps.update({m.component_owner(c) for c in op.components})
+        queues = tuple((n.id, int(typed.params[n.id].get("queue", 1)), typed.types[Ref(n.id, "out")].nbytes)
+                       for n in on if registry.get(n.op).traits.movement and int(typed.params[n.id].get("queue", 1)) > 1)
+        typed.cache[key] = (tuple(sorted(comps.items())), queues, int(ctx.spec.train.get("grad_accum", 1) or 1))
+    return typed.cache[key]
+
+
+def grad_seed(typed: Typed, node: Node) -> bool:
+    """A node autograd records whatever its inputs: it uses a trainable model's own weights (grad_nodes)."""
+    op = registry.get(node.op)
+    if not (node.model and op.components):
+        return False
+    m = typed.ctx.models[node.model]
+    return m.spec.trainable and any(m.component_owner(c).split(".")[0] == node.model for c in op.components)
 
 
 def events_peak(events, rounded: bool = False) -> int:
