@@ -9,7 +9,9 @@ e. emit_toml -> parse -> infer gives the same node types and per-device peaks;
 f. an op registered only inside the test, declared position-wise, is pushed through by
    gather_through_positionwise untouched: legality comes from traits;
 g. incremental re-inference after any rule's replacement gives what inference from scratch gives, and a rewrite
-   that re-infers from scratch applies the same rewrites to the same result.
+   that re-infers from scratch and prices every candidate every time (no rejection certificates) applies the
+   same rewrites to the same result (the other properties rewrite with verify=True, which also prices every
+   certified candidate and raises if pricing would accept it).
 
 Examples run per property are counted (COUNTS) and printed by the last test; `pytest
 --hypothesis-show-statistics` reports the same. HYPOTHESIS_PROFILE=thorough runs 1000 examples each.
@@ -352,8 +354,8 @@ def test_g_incremental_inference_is_full_inference(case: GraphCase):
         new, applied = rewrite(typed, DEFAULT_TABLES, live_peaks)
         scratch = engine.infer
         engine.infer = lambda graph, ctx, prev=None: scratch(graph, ctx)
-        try:
-            new_full, applied_full = rewrite(typed_of(case.text), DEFAULT_TABLES, live_peaks)
+        try:   # from scratch, and every candidate priced every time (no rejection certificates)
+            new_full, applied_full = rewrite(typed_of(case.text), DEFAULT_TABLES, live_peaks, certificates=False)
         finally:
             engine.infer = scratch
         assert applied == applied_full

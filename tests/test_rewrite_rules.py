@@ -552,3 +552,24 @@ def test_check_scaling_benchmark_smoke(capsys):
     assert cs.main(["--nodes", "25", "--written", "100", "--layers", "2", "600"]) == 0
     out = capsys.readouterr().out
     assert "exponent" in out and "600  refused: model 'target' has 600 layers, over the bound of 512" in out
+
+
+@pytest.mark.parametrize("n_nodes", [60, 120])
+def test_rejection_certificates_change_no_verdict(tmp_path, n_nodes):
+    """NOTE [Rejection certificates]: on the widened graphs of benchmarks/check_scaling.py (where hundreds of
+    rejected candidates are re-rejected by certificate), the rewrites applied are those of a driver that prices
+    every candidate every time, and verify=True (which prices every certified candidate and raises if pricing
+    would accept it) passes."""
+    from dflash_graph.analysis.memory import live_peaks
+    from dflash_graph.rewrite import engine
+
+    path = _check_scaling().wide_graph(tmp_path, n_nodes)
+    spec_graph, ctx = build(__import__("dflash_graph.spec.loader", fromlist=["load_graph"]).load_graph(str(path)))
+    typed = infer(spec_graph, ctx)
+    new, applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks)
+    slow_new, slow_applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, certificates=False)
+    assert applied == slow_applied and new.graph.same_as(slow_new.graph)
+    assert [n.id for n in new.graph.nodes] == [n.id for n in slow_new.graph.nodes]
+    if n_nodes <= 60:
+        _, checked = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, verify=True)
+        assert checked == applied

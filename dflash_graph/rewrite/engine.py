@@ -74,7 +74,10 @@ Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed
 
 
 def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = None,
-            verify: bool = False) -> tuple[Typed, list[Applied]]:
+            verify: bool = False, certificates: bool = True) -> tuple[Typed, list[Applied]]:
+    """Run the tables to a fixpoint (NOTE [Fixpoint over all passes]). `verify` checks every step's incremental
+    re-inference against inference from scratch and prices every certified candidate anyway;
+    `certificates=False` prices every candidate every time (the same rewrites, slower: for tests)."""
     applied: list[Applied] = []
     if len(typed.graph) > MAX_REWRITE_NODES:
         raise GraphError(Problem(f"the graph has {len(typed.graph):,} nodes, over the bound of {MAX_REWRITE_NODES} "
@@ -127,7 +130,7 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                         if not rep.always and getattr(costs, "bounded", False):
                             priced = costs(new, bound=peaks)     # None: some device's peak rises
                             if priced is None:
-                                cert = _certificate(typed, new, rep, peaks)
+                                cert = _certificate(typed, new, rep, peaks) if certificates else None
                                 if cert is not None:
                                     certs[(rule.name, node.id)] = cert
                                 rejected.add(key)
