@@ -5,7 +5,7 @@ push_selections and merge rules), and tests/graphs/minimal.toml with L target la
 exponent log(time ratio) / log(size ratio) (1: linear, 2: square, 3: cube), measured side by side in one process
 (not a timed assert).
 
-    python benchmarks/check_scaling.py              # rewritten: 25..150 nodes (200: refused); as written: 100..5000; 2..512 layers
+    python benchmarks/check_scaling.py              # rewritten: 25..150 nodes (200: refused); as written: 100..5000; layers 2..512 (10,000: refused)
     python benchmarks/check_scaling.py --nodes 50 100 --written 1000 --layers 2 64 --graph graphs/qwen27b.toml
 
 A size over a bound is reported as refused, with the bound: rewriting at 150 nodes (rewrite/engine.py, NOTE
