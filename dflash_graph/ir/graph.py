@@ -95,7 +95,9 @@ class Graph:
             # when the written order already is topological, that sort returns it unchanged (at every step the
             # next written node is ready and has the least key), so it is kept without sorting
             self.nodes: tuple[Node, ...] = tuple(nodes)
+            self.resorted = False
         else:
+            self.resorted = True           # the order differs from the written one
             g = self._nx_graph = _nx_of(nodes, self._by_id)
             try:
                 written = {n.id: i for i, n in enumerate(nodes)}

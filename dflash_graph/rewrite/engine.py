@@ -215,8 +215,8 @@ def _certificate(typed: Typed, new: Typed, rep: Replacement, peaks: Mapping[str,
     if over is None:
         return None
     device, at, it, start0, start_i = over
-    if at is None or (at and at not in typed.graph):
-        return None
+    if at is None or (at and at not in typed.graph) or new.graph.resorted:
+        return None       # (a candidate whose nodes had to be sorted may pull later nodes before w)
     seeds: frozenset[str] = frozenset()
     if at and it > 0:
         if start0 is None or start_i is None or start_i[0] - start0[0] != start_i[1] - start0[1]:
