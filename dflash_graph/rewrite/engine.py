@@ -165,26 +165,30 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
     return typed, applied
 
 
-# NOTE [Rejection certificates]: a candidate rejected on one graph must be priced again on every later graph
-# the scan meets it on (NOTE [Rewrite bound]). Pricing (analysis/memory.live_peaks) rejects a candidate as soon
-# as one device's live bytes pass that device's current peak P, and notes where: in the load phase, or in the
-# forward of node w in iteration i of the step. Up to there the live bytes are L_i + D: L_i, those at the start of
+# NOTE [Rejection certificates]: a candidate rejected on one graph must be considered again on every later
+# graph the scan meets it on (NOTE [Rewrite bound]). Pricing (analysis/memory.live_peaks) rejects a candidate as
+# soon as one device's live bytes pass that device's current peak P, and notes where: in the load phase, or in
+# the forward of node w in iteration i of the step. There the live bytes are L_i + D: L_i, those at the start of
 # iteration i, and D, what the forward has added since, which depends only on the nodes up to w in order (their
 # types, costs and hooks) and on how many readers the tensors they make have (every iteration runs the same
 # forward; a tensor's readers matter where it is made, on its producer's devices). L_0 is the device's load
-# (memory.load_signature); a later L_i is at least L_0 plus the weight
-# gradients made in iteration 0, which the trainable models' seed nodes on the device (memory.grad_seed) decide,
-# and the certificate is only made when L_i was exactly that and every backward node with a trainable model has
-# a seed of its model on the device. An accepted rewrite that changes none of this (every node it removes,
-# rewires or adds, and every producer of a tensor whose readers it changes, comes after w; the load is the same;
-# no seed, no node the candidate removes, no node that keeps one placed directly on the device or keeps the
-# replica count is changed, and no node on a wider group is made; where it changes the readers of a ref the candidate redirects, the new source comes after
-# w too) leaves the candidate's live bytes there at least what they were, above P, and P is still at
-# least the device's current peak: the candidate, proposing the same replacement, is rejected again without
-# being priced. The verdicts, hence the rewrites applied, are the driver's without certificates (its ill-typed
-# or result-changing candidates raise ContractBroken when first priced, before any certificate);
-# rewrite(verify=True) prices every certified candidate anyway and raises if one would be accepted
-# (tests/test_rewrite_properties.py runs it on random graphs).
+# (memory.load_signature); a later L_i is at least L_0 plus the weight gradients made in iteration 0, which the
+# trainable models' seed nodes on the device decide (memory.grad_seed): a certificate is only made when L_i was
+# exactly that, every backward node with a trainable model has a seed of its model on the device, and the
+# candidate's graph kept its written order. An accepted rewrite then leaves the certificate valid when
+#   - every node it removes, rewires or adds, and every producer (on the device) of a tensor whose readers it
+#     changes, comes after w in order; where it changes the readers of a ref the candidate redirects, the
+#     ref's new source comes after w too;
+#   - the device's load signature is the same, and it changes no seed, no node the candidate removes, no node
+#     that keeps one placed directly on the device or that keeps the replica count, and makes no node on a
+#     wider group (how often a step runs the device's nodes is unchanged).
+# The candidate, proposing the same replacement, then has at least the live bytes it had there, above P, and P
+# is still at least the device's current peak: it is rejected again without being priced. The verdicts, hence
+# the rewrites applied, are the driver's without certificates, except that a candidate whose graph would now
+# be ill-typed is skipped instead of raising ContractBroken (a rule bug; it was well-typed when first priced).
+# rewrite(verify=True) prices every certified candidate anyway and raises if pricing would accept it;
+# tests/test_rewrite_properties.py (property g: the same rewrites as certificates=False, on random graphs) and
+# tests/test_rewrite_rules.py (the widened graphs of benchmarks/check_scaling.py) check both.
 
 @attrs.frozen
 class _Cert:
