@@ -7,6 +7,7 @@ exponent log(time ratio) / log(size ratio) (1: linear, 2: square, 3: cube), meas
 
     python benchmarks/check_scaling.py              # rewritten: 25..150 nodes (200: refused); as written: 100..5000; layers 2..512 (10,000: refused)
     python benchmarks/check_scaling.py --nodes 50 100 --written 1000 --layers 2 64 --graph graphs/qwen27b.toml
+    python benchmarks/check_scaling.py --nodes 100 200 300 --lift-rewrite-bound   # past the rewrite bound
 
 A size over a bound is reported as refused, with the bound: rewriting at 150 nodes (rewrite/engine.py, NOTE
 [Rewrite bound]; larger graphs check as written, --no-rewrite), 5,000 nodes (MAX_NODES) and 512 layers
@@ -107,7 +108,12 @@ def main(argv=None) -> int:
     ap.add_argument("--written", type=int, nargs="*", default=[100, 1000, 2000, 5000])
     ap.add_argument("--layers", type=int, nargs="*", default=[2, 64, 128, 256, 512, 10000])
     ap.add_argument("--graph", default="tests/graphs/minimal.toml", help="the graph whose target's layers vary")
+    ap.add_argument("--lift-rewrite-bound", action="store_true",
+                    help="rewrite graphs over the rewrite bound too (to measure how the time grows past it)")
     args = ap.parse_args(argv)
+    if args.lift_rewrite_bound:
+        from dflash_graph.rewrite import engine
+        engine.MAX_REWRITE_NODES = 10**6
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         timed(wide_graph(d, 25))        # untimed warm-up: imports and the cost model's caches

@@ -62,8 +62,8 @@ class ContractBroken(RuntimeError):
 # 300 nodes). A rejection certificate (NOTE [Rejection certificates]) re-rejects it without pricing while the
 # rewrites since cannot have changed the verdict, so the driver prices about one candidate per rewrite applied,
 # each in time linear in the graph: rewriting grows with the square of the node count
-# (benchmarks/check_scaling.py, CPU s on the shared 2-core machine: 0.8 at 100 nodes, 1.7 at 150, 3.3 at 200,
-# 6.2 at 300, against 2.8, 8.9, 18 and 24+ before). Training graphs have 10 to 40 nodes; a graph over the bound
+# (benchmarks/check_scaling.py, CPU s on the shared 2-core machine: 0.6 at 100 nodes, 1.5 at 150, 2.8 at 200,
+# 6.1 at 300, against 2.5, 8.4 and 23 at 100 to 200 before). Training graphs have 10 to 40 nodes; a graph over the bound
 # (under 2 s) is refused with the bound named, and checks as written (--no-rewrite: linear, ~1.6 s at the
 # 5,000-node bound). Linear rewriting needs pricing in time independent of the graph size (a live-byte curve
 # updated where a rewrite changes it).
