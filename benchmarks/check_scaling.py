@@ -1,18 +1,23 @@
 """How `check` time grows with the number of nodes and of layers: graphs/tiny.toml widened with N extra verifier
 chains on the drafter device (transfer, norm, lm_head, roll, gather, output: 6 nodes each, each one rewritten by
-push_selections and merge rules), and tests/graphs/minimal.toml with L target layers. Prints seconds per graph and
-the ratio to the smallest, measured side by side in one process (not a timed assert).
+push_selections and merge rules), and tests/graphs/minimal.toml with L target layers. Prints CPU seconds per graph
+(time.process_time: steadier than wall time on a shared machine), the ratio to the smallest, and the growth
+exponent log(time ratio) / log(size ratio) (1: linear, 2: square, 3: cube), measured side by side in one process
+(not a timed assert).
 
-    python benchmarks/check_scaling.py                      # rewritten: 25..100 nodes; as written: 100..4000
-    python benchmarks/check_scaling.py --nodes 50 100 --written --layers 2 64
+    python benchmarks/check_scaling.py              # rewritten: 25..150 nodes (200: refused); as written: 100..5000; layers 2..512 (10,000: refused)
+    python benchmarks/check_scaling.py --nodes 50 100 --written 1000 --layers 2 64 --graph graphs/qwen27b.toml
+    python benchmarks/check_scaling.py --nodes 100 200 300 --lift-rewrite-bound   # past the rewrite bound
 
-Rewriting is bounded at 100 nodes (rewrite/engine.py, NOTE [Rewrite bound]); larger graphs are timed as written
-(`--no-rewrite`).
+A size over a bound is reported as refused, with the bound: rewriting at 150 nodes (rewrite/engine.py, NOTE
+[Rewrite bound]; larger graphs check as written, --no-rewrite), 5,000 nodes (MAX_NODES) and 512 layers
+(analysis/infer.py, NOTE [Layer bound]).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import tempfile
@@ -22,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dflash_graph.errors import GraphError  # noqa: E402
 from dflash_graph.rewrite.pipeline import compile_graph  # noqa: E402
 
 CHAIN = '''
@@ -85,32 +91,62 @@ def timed(path: Path, overrides=(), rewrite: bool = True) -> tuple[float, int, i
     return time.process_time() - t, len(plan.original.graph), len(plan.applied)
 
 
+def _row(size: int, extra: str, s: float, first: tuple[float, int] | None) -> str:
+    if first is None or size == first[1]:
+        return f"{size:6d}  {extra}{s:7.2f}  {1.0:6.1f}x  {1.0:6.1f}x     -"
+    grow = math.log(s / first[0]) / math.log(size / first[1]) if s > 0 and first[0] > 0 else float("nan")
+    return f"{size:6d}  {extra}{s:7.2f}  {s / first[0]:6.1f}x  {size / first[1]:6.1f}x  {grow:5.2f}"
+
+
+def _refused(size: int, e: GraphError) -> str:
+    return f"{size:6d}  refused: {str(e).splitlines()[0].split(': error', 1)[-1].split(': ', 1)[-1][:100]}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, nargs="*", default=[25, 50, 100])
-    ap.add_argument("--written", type=int, nargs="*", default=[100, 1000, 4000])
-    ap.add_argument("--layers", type=int, nargs="*", default=[2, 64, 256, 512])
+    ap.add_argument("--nodes", type=int, nargs="*", default=[25, 50, 100, 150, 200])
+    ap.add_argument("--written", type=int, nargs="*", default=[100, 1000, 2000, 5000])
+    ap.add_argument("--layers", type=int, nargs="*", default=[2, 64, 128, 256, 512, 10000])
+    ap.add_argument("--graph", default="tests/graphs/minimal.toml", help="the graph whose target's layers vary")
+    ap.add_argument("--lift-rewrite-bound", action="store_true",
+                    help="rewrite graphs over the rewrite bound too (to measure how the time grows past it)")
     args = ap.parse_args(argv)
+    if args.lift_rewrite_bound:
+        from dflash_graph.rewrite import engine
+        engine.MAX_REWRITE_NODES = 10**6
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        print("rewritten\nnodes  rewrites  cpu s  ratio")
+        timed(wide_graph(d, 25))        # untimed warm-up: imports and the cost model's caches
+        print("rewritten\n nodes  rewrites  cpu s   time  nodes  exponent")
         first = None
         for n in args.nodes:
-            s, nodes, applied = timed(wide_graph(d, n))
+            try:
+                s, nodes, applied = timed(wide_graph(d, n))
+            except GraphError as e:
+                print(_refused(n, e))
+                continue
+            print(_row(nodes, f"{applied:8d}  ", s, first))
             first = first or (s, nodes)
-            print(f"{nodes:5d}  {applied:8d}  {s:7.2f}  {s / first[0]:5.1f}x time for {nodes / first[1]:.1f}x nodes")
-        print("\nas written (--no-rewrite)\nnodes  seconds  ratio")
+        print("\nas written (--no-rewrite)\n nodes  cpu s   time  nodes  exponent")
         first = None
         for n in args.written:
-            s, nodes, _ = timed(wide_graph(d, n), rewrite=False)
+            try:
+                s, nodes, _ = timed(wide_graph(d, n), rewrite=False)
+            except GraphError as e:
+                print(_refused(n, e))
+                continue
+            print(_row(nodes, "", s, first))
             first = first or (s, nodes)
-            print(f"{nodes:5d}  {s:7.2f}  {s / first[0]:5.1f}x time for {nodes / first[1]:.1f}x nodes")
-        print("\nlayers  seconds  ratio")
+        print(f"\nlayers ({args.graph})\nlayers  cpu s   time  layers exponent")
         first = None
         for n in args.layers:
-            s, _, _ = timed(ROOT / "tests/graphs/minimal.toml", [f"models.target.config.num_hidden_layers={n}"])
+            try:
+                s, _, _ = timed(ROOT / args.graph, [f"models.target.config.num_hidden_layers={n}"])
+            except GraphError as e:
+                print(_refused(n, e))
+                continue
+            print(_row(n, "", s, first))
             first = first or (s, n)
-            print(f"{n:6d}  {s:7.2f}  {s / first[0]:5.1f}x time for {n / first[1]:.0f}x layers")
     return 0
 
 

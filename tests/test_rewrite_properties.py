@@ -7,7 +7,11 @@ c. no device's predicted peak rises (live_peaks, and analyze_memory's peak_bytes
 d. rewriting is idempotent and terminates; the loop guard fires on a table of rules that undo each other;
 e. emit_toml -> parse -> infer gives the same node types and per-device peaks;
 f. an op registered only inside the test, declared position-wise, is pushed through by
-   gather_through_positionwise untouched: legality comes from traits.
+   gather_through_positionwise untouched: legality comes from traits;
+g. incremental re-inference after any rule's replacement gives what inference from scratch gives, and a rewrite
+   that re-infers from scratch and prices every candidate every time (no rejection certificates) applies the
+   same rewrites to the same result (the other properties rewrite with verify=True, which also prices every
+   certified candidate and raises if pricing would accept it).
 
 Examples run per property are counted (COUNTS) and printed by the last test; `pytest
 --hypothesis-show-statistics` reports the same. HYPOTHESIS_PROFILE=thorough runs 1000 examples each.
@@ -309,6 +313,55 @@ def _shift_rule(name: str, when, to) -> Rule:
     return Rule(name, "test", "", match)
 
 
+def _same_typed(a: Typed, b: Typed) -> None:
+    assert list(a.types.items()) == list(b.types.items())
+    assert list(a.params.items()) == list(b.params.items())
+    assert a.graph.same_as(b.graph) and [n.id for n in a.graph.nodes] == [n.id for n in b.graph.nodes]
+
+
+def _inferred(graph, ctx, prev=None):
+    from dflash_graph.errors import GraphError
+
+    try:
+        return infer(graph, ctx, prev)
+    except GraphError as e:
+        return str(e)
+
+
+@given(graphs())
+def test_g_incremental_inference_is_full_inference(case: GraphCase):
+    """NOTE [Incremental inference]: re-inferring after a rewrite from the graph before it gives the typed graph
+    that inferring from scratch gives (types and params, in order; or the same error), for every replacement any
+    rule proposes at any node (accepted or not); and the whole rewrite, re-inferring from scratch after every
+    step, applies the same rewrites and ends in the same typed graph."""
+    import dflash_graph.rewrite.engine as engine
+    from dflash_graph.rewrite.rules import ALL_RULES
+
+    COUNTS["g_incremental_inference"] += 1
+    with test_ops():
+        typed = typed_of(case.text)
+        for rule in ALL_RULES.values():
+            for node in typed.graph.nodes:
+                rep = rule.match(typed, node)
+                if rep is None:
+                    continue
+                graph = typed.graph.replace(rep.remove, rep.add, rep.redirect)
+                inc, full = _inferred(graph, typed.ctx, prev=typed), _inferred(graph, typed.ctx)
+                if isinstance(full, str) or isinstance(inc, str):
+                    assert inc == full
+                else:
+                    _same_typed(inc, full)
+        new, applied = rewrite(typed, DEFAULT_TABLES, live_peaks)
+        scratch = engine.infer
+        engine.infer = lambda graph, ctx, prev=None: scratch(graph, ctx)
+        try:   # from scratch, and every candidate priced every time (no rejection certificates)
+            new_full, applied_full = rewrite(typed_of(case.text), DEFAULT_TABLES, live_peaks, certificates=False)
+        finally:
+            engine.infer = scratch
+        assert applied == applied_full
+        _same_typed(new, new_full)
+
+
 def test_d_loop_guard_fires():
     """Two rules that undo each other (roll by k <-> roll by k - 5, equal on an axis of 5) never reach a fixpoint:
     the driver stops with RewriteLoopError instead of spinning."""
@@ -354,5 +407,5 @@ def test_z_example_counts(capsys):
         print(f"\nhypothesis profile max_examples={prof.max_examples}: examples run per property: "
               + ", ".join(f"{k}={v}" for k, v in sorted(COUNTS.items())))
     ran = [k for k in COUNTS if not k.startswith("d_loop")]
-    if len(ran) == 8:      # the whole file ran
+    if len(ran) == 9:      # the whole file ran
         assert all(COUNTS[k] >= min(prof.max_examples, 20) for k in ran), COUNTS

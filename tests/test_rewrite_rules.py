@@ -513,3 +513,111 @@ def test_every_rule_has_a_doc_page(request):
         assert f"({name}.md)" in index, f"docs/rules/README.md does not link {name}.md"
     for pass_name, _ in DEFAULT_TABLES:
         assert f"`{pass_name}`" in index
+
+
+def _check_scaling():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("check_scaling", root / "benchmarks" / "check_scaling.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rewrite_bound_refuses_with_hint_and_checks_as_written(tmp_path):
+    """NOTE [Rewrite bound]: a graph over MAX_REWRITE_NODES is refused for rewriting with the bound named and
+    --no-rewrite as the hint; as written it checks. Graphs at the bound are rewritten (the widened graphs of
+    benchmarks/check_scaling.py, whose rewrites the incremental engine applies as the full one does:
+    tests/test_rewrite_properties.py, property g)."""
+    from dflash_graph.errors import GraphError
+    from dflash_graph.rewrite.engine import MAX_REWRITE_NODES
+
+    cs = _check_scaling()
+    over = cs.wide_graph(tmp_path, MAX_REWRITE_NODES + 10)
+    with pytest.raises(GraphError) as e:
+        compile_graph(str(over))
+    msg = str(e.value)
+    assert f"over the bound of {MAX_REWRITE_NODES} for rewriting" in msg and "--no-rewrite" in msg
+    assert not compile_graph(str(over), rewrite=False).rewritten
+    plan = compile_graph(str(cs.wide_graph(tmp_path, 50)))
+    assert len(plan.applied) > 40 and plan.memory.fits
+
+
+def test_check_scaling_benchmark_smoke(capsys):
+    """benchmarks/check_scaling.py runs at small sizes and reports a size over a bound as refused (it asserts
+    nothing about time)."""
+    cs = _check_scaling()
+    assert cs.main(["--nodes", "25", "--written", "100", "--layers", "2", "600"]) == 0
+    out = capsys.readouterr().out
+    assert "exponent" in out and "600  refused: model 'target' has 600 layers, over the bound of 512" in out
+
+
+@pytest.mark.parametrize("n_nodes", [60, 120])
+def test_rejection_certificates_change_no_verdict(tmp_path, n_nodes):
+    """NOTE [Rejection certificates]: on the widened graphs of benchmarks/check_scaling.py (where hundreds of
+    rejected candidates are re-rejected by certificate), the rewrites applied are those of a driver that prices
+    every candidate every time, and verify=True (which prices every certified candidate and raises if pricing
+    would accept it) passes."""
+    from dflash_graph.analysis.memory import live_peaks
+    from dflash_graph.rewrite import engine
+    from dflash_graph.spec.loader import load_graph
+
+    path = _check_scaling().wide_graph(tmp_path, n_nodes)
+    typed = infer(*build(load_graph(str(path))))
+    new, applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks)
+    slow_new, slow_applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, certificates=False)
+    assert applied == slow_applied and new.graph.same_as(slow_new.graph)
+    assert [n.id for n in new.graph.nodes] == [n.id for n in slow_new.graph.nodes]
+    if n_nodes <= 60:
+        _, checked = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, verify=True)
+        assert checked == applied
+
+
+def _varied_chain(i: int, rnd) -> str:
+    """A verifier chain with random parts left out, shifts, sources and result devices."""
+    src = rnd.choice(["target.hidden", "target.hidden", f"h{max(i - 1, 0)}.out"]) if i else "target.hidden"
+    s = f'\n[[nodes]]\nid = "h{i}"\nop = "transfer"\ndevice = "draft"\ninputs = {{ x = "{src}" }}\n'
+    x = f"h{i}.out"
+    if rnd.random() < 0.7:
+        s += f'\n[[nodes]]\nid = "n{i}"\nop = "norm"\nmodel = "target"\ndevice = "draft"\ninputs = {{ x = "{x}" }}\n'
+        x = f"n{i}.out"
+    s += f'\n[[nodes]]\nid = "l{i}"\nop = "lm_head"\nmodel = "target"\ndevice = "draft"\ninputs = {{ x = "{x}" }}\n'
+    x = f"l{i}.logits"
+    if rnd.random() < 0.7:
+        s += (f'\n[[nodes]]\nid = "r{i}"\nop = "roll"\ndevice = "draft"\ninputs = {{ x = "{x}" }}\n'
+              f'params = {{ shift = {rnd.choice([1, 2, -1])}, axis = 0 }}\n')
+        x = f"r{i}.out"
+    if rnd.random() < 0.8:
+        s += (f'\n[[nodes]]\nid = "g{i}"\nop = "gather"\ndevice = "draft"\n'
+              f'inputs = {{ x = "{x}", index = "block_index.index" }}\nparams = {{ axis = 0 }}\n')
+        x = f"g{i}.out"
+    if rnd.random() < 0.2:
+        s += f'\n[[nodes]]\nid = "t{i}"\nop = "transfer"\ndevice = "t0"\ninputs = {{ x = "{x}" }}\n'
+        x = f"t{i}.out"
+    return s + f'\n[[nodes]]\nid = "o{i}"\nop = "output"\ndevice = "{"t0" if x.startswith("t") else "draft"}"\ninputs = {{ x = "{x}" }}\n'
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rejection_certificates_on_varied_chains(tmp_path, request, seed):
+    """Graphs/tiny.toml with random verifier chains (parts left out, chained sources, results on another device):
+    with rejection certificates, the rewrites applied are those of pricing every candidate every time, and
+    verify=True (pricing every certified candidate) passes. (A fuzz of 40 seeds found no difference.)"""
+    import random
+
+    from dflash_graph.analysis.memory import live_peaks
+    from dflash_graph.rewrite import engine
+    from dflash_graph.spec.loader import load_graph
+
+    root = request.config.rootpath
+    rnd = random.Random(seed)
+    head, sep, data = (root / "graphs" / "tiny.toml").read_text().partition("\n[data]")
+    (tmp_path / "tiny").symlink_to(root / "graphs" / "tiny")
+    path = tmp_path / "varied.toml"
+    path.write_text(head + "".join(_varied_chain(i, rnd) for i in range(rnd.randint(6, 12))) + sep + data)
+    typed = infer(*build(load_graph(str(path))))
+    new, applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, verify=True)
+    slow_new, slow_applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, certificates=False)
+    assert applied == slow_applied
+    assert [n.id for n in new.graph.nodes] == [n.id for n in slow_new.graph.nodes] and new.graph.same_as(slow_new.graph)

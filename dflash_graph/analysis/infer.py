@@ -39,6 +39,7 @@ class GraphContext:
     spec: GraphSpec
     env: DimEnv = attrs.field(eq=False)
     models: Mapping[str, ModelInfo]
+    _placements: dict = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     def loc(self, node: Node, *sub: str | int) -> Location:
         if node.spec_index is not None:
@@ -46,7 +47,10 @@ class GraphContext:
         return Location(self.spec.file, None, f"node '{node.id}' (made by a rewrite)")
 
     def devices_of(self, placement: str) -> tuple[str, ...]:
-        return self.spec.placement(placement)
+        hit = self._placements.get(placement)
+        if hit is None:
+            hit = self._placements[placement] = self.spec.placement(placement)
+        return hit
 
 
 def _spec_node(spec: GraphSpec, index: int):
@@ -66,13 +70,22 @@ class Typed:
     node_cache: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     def outputs_of(self, nid: str) -> dict[str, TensorType]:
+        return dict(self._outputs_index().get(nid, {}))
+
+    def _outputs_index(self) -> dict[str, dict[str, TensorType]]:
         index = self.cache.get("_outputs_of")
         if index is None:
             index = {}
             for r, t in self.types.items():
                 index.setdefault(r.node, {})[r.output] = t
             self.cache["_outputs_of"] = index
-        return dict(index.get(nid, {}))
+        return index
+
+    def _handles(self) -> frozenset[Ref]:
+        """The outputs typed 'handle' (a forward's taps): their readers are always inferred again."""
+        if "_handles" not in self.cache:
+            self.cache["_handles"] = frozenset(r for r, t in self.types.items() if t.dtype == "handle")
+        return self.cache["_handles"]
 
     def inputs_of(self, nid: str) -> dict[str, TensorType]:
         return {p: self.types[r] for p, r in self.graph[nid].inputs}
@@ -257,47 +270,73 @@ def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
 
 # -- inference -----------------------------------------------------------------------------------------------
 
-# NOTE [Incremental inference]: a node's types and params depend only on the node itself, the types of its
-# inputs and the context, so after a rewrite (`prev` is the graph before it) a node equal to its old self whose
-# inputs have their old types keeps its old result without being inferred again. A rewrite changes a few nodes,
-# so re-inference costs a comparison per node instead of a contract match per node, and check time grows with
-# the node count instead of with its square (benchmarks/check_scaling.py). The exceptions: a node reading a
-# handle (a forward's taps), whose legality depends on its sibling hook nodes, is always inferred again, and a
-# node cost (node_cache) is handed on only when no output is a handle, whose readers decide the cost.
+# NOTE [Incremental inference]: a node's types and params depend only on the node itself (op, inputs, params,
+# device, model), the types of its inputs and the context, so after a rewrite (`prev` is the graph before it) a
+# node that is its old self (the same object, or equal with equal params) and reads no output whose type changed
+# keeps its old result without being inferred again: only the nodes a rule made or rewired, and downstream of
+# them the nodes whose inputs now have other types, are inferred (`changed` holds the nodes whose outputs are
+# not what they were). Skipping a node costs a set lookup per input, and the result's outputs_of index is built
+# on the way. The exception: a node reading a handle (a forward's taps), whose legality depends on its sibling
+# hook nodes, is always inferred again. A node cost (node_cache) is handed on with the node; a forward's cost,
+# which its hook nodes decide, is keyed by them (analysis/memory._cached_cost). The result is the same as
+# inferring the graph from scratch, in the same order (tests/test_rewrite_properties.py checks it on random
+# graphs; `rewrite(verify=True)` checks it after every rewrite).
 
 def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     types: dict[Ref, TensorType] = {}
     params: dict[str, Mapping[str, Any]] = {}
     node_cache: dict[str, dict] = {}
+    index: dict[str, dict[str, TensorType]] = {}      # the result's outputs_of, built on the way
+    handles: set[Ref] = set()                          # outputs typed 'handle' (a forward's taps)
     problems: list[Problem] = []
     failed: set[str] = set()
     old = prev.graph if prev is not None and prev.ctx is ctx else None
+    if old is not None:
+        old_by_id = old._by_id
+        prev_index = prev._outputs_index()
+        prev_handles = prev._handles()
+        # nodes whose outputs are not what they were: removed ones, and (below) those inferred again to other types
+        changed: set[str] = old_by_id.keys() - graph._by_id.keys()
     for node in graph.nodes:
-        if any(r.node in failed for _, r in node.inputs):
-            failed.add(node.id)
+        nid, inputs = node.id, node.inputs
+        if failed and any(r.node in failed for _, r in inputs):
+            failed.add(nid)
             continue
-        if old is not None and node.id in old and old[node.id] == node and node.id in prev.params:
-            ins = [(r, types.get(r)) for _, r in node.inputs]
-            if all(t is not None and t == prev.types.get(r) and t.dtype != "handle" for r, t in ins):
-                outs = prev.outputs_of(node.id)
-                params[node.id] = prev.params[node.id]
-                for name, t in outs.items():
-                    types[Ref(node.id, name)] = t
-                if node.id in prev.node_cache and all(t.dtype != "handle" for t in outs.values()):
-                    node_cache[node.id] = prev.node_cache[node.id]
-                continue
+        was = old_by_id.get(nid) if old is not None else None
+        if was is not None and (was is node or (was == node and dict(was.params) == dict(node.params))) \
+                and nid in prev.params and not any(r.node in changed or r in prev_handles for _, r in inputs):
+            outs = prev_index.get(nid, {})
+            params[nid] = prev.params[nid]
+            for name, t in outs.items():
+                r = Ref(nid, name)
+                types[r] = t
+                if r in prev_handles:
+                    handles.add(r)
+            index[nid] = outs
+            if nid in prev.node_cache:   # a forward's cost is keyed by its hooks (memory._cached_cost)
+                node_cache[nid] = prev.node_cache[nid]
+            continue
         try:
             p, outs = _infer_node(node, graph, ctx, types)
         except _NodeProblem as e:
             problems.append(e.problem)
-            failed.add(node.id)
+            failed.add(nid)
             continue
-        params[node.id] = p
+        params[nid] = p
         for name, t in outs.items():
-            types[Ref(node.id, name)] = t
+            r = Ref(nid, name)
+            types[r] = t
+            if t.dtype == "handle":
+                handles.add(r)
+        index[nid] = dict(outs)
+        if old is not None and (was is None or prev_index.get(nid) != outs):
+            changed.add(nid)
     if problems:
         raise GraphError(problems)
-    return Typed(graph, ctx, types, params, node_cache=node_cache)
+    typed = Typed(graph, ctx, types, params, node_cache=node_cache)
+    typed.cache["_outputs_of"] = index
+    typed.cache["_handles"] = frozenset(handles)
+    return typed
 
 
 class _NodeProblem(Exception):

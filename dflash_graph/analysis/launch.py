@@ -77,7 +77,10 @@ class Launch:
 
 
 def replicas(typed: Typed) -> int:
-    return max((len(typed.ctx.devices_of(n.device)) for n in typed.graph.nodes), default=1)
+    # asked per node and device by step_flops: computed once per typed graph (it was the square of the node count)
+    if "_replicas" not in typed.cache:
+        typed.cache["_replicas"] = max((len(typed.ctx.devices_of(n.device)) for n in typed.graph.nodes), default=1)
+    return typed.cache["_replicas"]
 
 
 def device_for(typed: Typed, placement: str, r: int) -> str:

@@ -158,6 +158,12 @@ class MemoryReport:
 
 def grad_nodes(typed: Typed) -> set[str]:
     """Nodes autograd records: those using a trainable model's own weights, and everything downstream of them."""
+    if "_grad_nodes" not in typed.cache:
+        typed.cache["_grad_nodes"] = frozenset(_grad_nodes(typed))
+    return set(typed.cache["_grad_nodes"])
+
+
+def _grad_nodes(typed: Typed) -> set[str]:
     out: set[str] = set()
     for n in typed.graph.nodes:
         op = registry.get(n.op)
@@ -200,14 +206,23 @@ def hook_refs(typed: Typed, nid: str) -> dict[int, Ref]:
 def _cached_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
     # costs depend on the node and its types, not on the device: compute once per node, kept across rewrites
     # that leave the node as it was (infer: NOTE [Incremental inference])
+    # (a forward's cost also depends on which layers its hook nodes capture: keyed by them)
     cache = typed.node_cache.setdefault(node.id, {})
-    if grad not in cache:
-        cache[grad] = node_cost(typed, node, grad)
-    return cache[grad]
+    key = (grad, tuple(sorted(hook_refs(typed, node.id).items()))) if node.id in typed.params and \
+        Ref(node.id, "taps") in typed.types else grad
+    if key not in cache:
+        cache[key] = node_cost(typed, node, grad)
+    return cache[key]
 
 
 def component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
     """Per physical device: owner component ('target.lm_head') -> parameter count."""
+    if "_component_bytes" not in typed.cache:
+        typed.cache["_component_bytes"] = _component_bytes(typed)
+    return {d: dict(c) for d, c in typed.cache["_component_bytes"].items()}
+
+
+def _component_bytes(typed: Typed) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for n in typed.graph.nodes:
         op = registry.get(n.op)
@@ -235,6 +250,12 @@ class _Ev(NamedTuple):
 
 
 class _Seq:
+    labels = True
+    at: str | None = ""
+
+    def start(self, it: int) -> None:
+        pass
+
     def __init__(self):
         self.events: list[Event] = []
         self.ids: dict[Any, int] = {}
@@ -257,6 +278,55 @@ class _Seq:
 
     def live(self, key: Any) -> bool:
         return key in self.ids
+
+    live_ = live
+
+
+class _OverLimit(Exception):
+    pass
+
+
+class _PeakSeq:
+    """The live-byte peak of an allocation sequence without building it (labels ignored): what `live_peaks`
+    prices every rewrite candidate with. The same as events_peak over the events a _Seq would record. It also
+    notes where the replay is (`at`: the node whose forward it is in, "" in the load phase, None in a backward)
+    and, at the start of each iteration of the first step, the live bytes and the weight gradients' bytes among
+    them (`starts`): what a rejection certificate needs (rewrite/engine.py)."""
+    labels = False
+    at: str | None = ""
+
+    def __init__(self, rounded: bool, limit: int | None = None):
+        self.sizes: dict[Any, int] = {}
+        self.live = self.peak = 0
+        self.rounded = rounded
+        self.limit = limit
+        self.starts: list[tuple[int, int]] = []
+        self.it = -1
+
+    def start(self, it: int) -> None:
+        grads = sum(v for k, v in self.sizes.items() if type(k) is tuple and k and k[0] == "grad")
+        self.starts.append((self.live, grads))
+        self.it = it
+
+    def alloc(self, key: Any, size: int, label: str = "") -> None:
+        if size <= 0:
+            return
+        if self.rounded:
+            size = round_size(size)
+        self.sizes[key] = size          # a key allocated twice: its first block is never freed, as in _Seq
+        self.live += size
+        if self.live > self.peak:
+            self.peak = self.live
+            if self.limit is not None and self.peak > self.limit:
+                raise _OverLimit
+
+    def free(self, key: Any, label: str = "") -> None:
+        size = self.sizes.pop(key, None)
+        if size is not None:
+            self.live -= size
+
+    def live_(self, key: Any) -> bool:
+        return key in self.sizes
 
 
 def _tensor_desc(typed: Typed, ref: Ref) -> str:
@@ -292,13 +362,15 @@ def _compressed(program: tuple[tuple[str, str, int], ...]) -> tuple[tuple[str, s
     return (("alloc", "peak", extra), *out_steps, ("free", "peak", 0))
 
 
-def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tuple[list[Event], dict[str, int]]:
+def _device_events(typed: Typed, device: str, steps: int, compress: bool,
+                   seq: "_Seq | _PeakSeq | None" = None) -> tuple[list[Event], dict[str, int]]:
     g, ctx = typed.graph, typed.ctx
     on = [n for n in g.nodes if device in ctx.devices_of(n.device)]
     on_ids = {n.id for n in on}
     grads = grad_nodes(typed)
     costs = {n.id: _cached_cost(typed, n, n.id in grads) for n in on}
-    seq = _Seq()
+    seq = _Seq() if seq is None else seq
+    desc = _tensor_desc if seq.labels else (lambda typed, ref: "")
     # load: weights (a model's decoder layers as one tensor block per layer), optimizer state, queue buffers
     weight_bytes = opt_bytes = 0
     trainable_params: dict[str, int] = {}
@@ -339,7 +411,10 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
         for it in range(iters):
             left = dict(consumers_left_init)
             saved_refs: dict[Ref, int] = {}     # ref -> backward nodes still holding it
+            if step == 0:
+                seq.start(it)
             for n in g.nodes:
+                seq.at = n.id if step == 0 else None   # where the replay is (NOTE [Rejection certificates])
                 here = n.id in on_ids
                 cost = costs.get(n.id, NodeCost())
                 if here:
@@ -358,11 +433,11 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
                         if key.startswith("tap:"):
                             ref = taps[int(key[4:])]
                             if kind == "alloc":
-                                seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)} (hooked by {ref.node})")
+                                seq.alloc(ref, size, f"{n.id}/{desc(typed, ref)} (hooked by {ref.node})")
                         elif key.startswith("out:"):
                             ref = Ref(n.id, key[4:])
                             if kind == "alloc" and ref in typed.types:
-                                seq.alloc(ref, size, f"{n.id}/{_tensor_desc(typed, ref)}")
+                                seq.alloc(ref, size, f"{n.id}/{desc(typed, ref)}")
                         elif kind == "alloc":
                             seq.alloc((n.id, key), size, f"{n.id}/{key}")
                         else:
@@ -379,6 +454,7 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
                     if left[r] == 0 and r not in saved_refs:
                         seq.free(r, f"{n.id}/last use of {r}")
             # backward
+            seq.at = None
             bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
             grad_of: set[Ref] = set()
             for n in bwd:
@@ -386,7 +462,7 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
                 label = f"{n.id}/backward"
                 if n.model:
                     for owner in trainable_params:
-                        if owner.startswith(n.model + ".") and not seq.live(("grad", owner)):
+                        if owner.startswith(n.model + ".") and not seq.live_(("grad", owner)):
                             seq.alloc(("grad", owner), trainable_params[owner] * trainable_width[owner],
                                   f"{label} weight grad {owner}")
                 if cost.workspace_bytes:
@@ -428,7 +504,7 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool) -> tup
             for owner in trainable_params:
                 seq.free(("grad", owner), "zero_grad(set_to_none=True)")
                 seq.free(("grad32", owner), "zero_grad(set_to_none=True)")
-    return seq.events, {"weights": weight_bytes, "optimizer": opt_bytes}
+    return getattr(seq, "events", []), {"weights": weight_bytes, "optimizer": opt_bytes}
 
 
 @attrs.frozen
@@ -537,25 +613,81 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
     return MemoryReport(devices, allocator, host)
 
 
-def live_peaks(typed: Typed) -> tuple[dict[str, int], dict[str, int]]:
+def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None) -> tuple[dict[str, int], dict[str, int]] | None:
     """Fast per-device (live peak bytes, FLOPs) of one step, without the allocator model: the rewrite driver's
-    cost function."""
+    cost function. With `bound` (a peak per device), None as soon as one device's peak is seen to pass its
+    bound: the rewrite driver rejects that candidate without replaying the rest (NOTE [Rewrite pricing])."""
     grads = grad_nodes(typed)
     flops: dict[str, int] = {}
     for n in typed.graph.nodes:
         f = _cached_cost(typed, n, n.id in grads).flops
         for d in typed.ctx.devices_of(n.device):
             flops[d] = flops.get(d, 0) + f
-    peaks = {}
+    keys = {}
     for name in typed.ctx.spec.devices:
         cuda = typed.ctx.spec.devices[name].torch.startswith("cuda")
-        key = ("live_peak", _signature(typed, name), cuda)
+        keys[name] = ("live_peak", _signature(typed, name), cuda)
+    # under a bound the device with the most nodes goes first (it is where a rewrite's effect usually is, and
+    # the first device over its bound ends the replay); the answer lists the devices in their written order
+    order = sorted(keys, key=lambda d: -len(keys[d][1])) if bound is not None else list(keys)
+    found = {}
+    for name in order:
+        key, cuda = keys[name], keys[name][2]
         if key not in typed.cache:
             # on CUDA every block is rounded (allocator.round_size): a rewrite that saves bytes but adds a
             # tensor can still raise the rounded total
-            typed.cache[key] = events_peak(device_events(typed, name, steps=1, compress=True)[0], rounded=cuda)
-        peaks[name] = typed.cache[key]
-    return peaks, flops
+            limit = None if bound is None else bound.get(name, 0)
+            seq = _PeakSeq(cuda, limit)    # = events_peak(device_events(typed, name, 1, True)[0], cuda)
+            try:
+                _device_events(typed, name, 1, True, seq)
+            except _OverLimit:
+                # the device, where its live bytes passed the bound, in which iteration, and the live and
+                # weight-gradient bytes at the start of the first iteration and of that one
+                typed.cache["_over"] = (name, seq.at, seq.it, seq.starts[0] if seq.starts else None,
+                                        seq.starts[-1] if seq.starts else None)
+                return None
+            typed.cache[key] = seq.peak
+        found[name] = typed.cache[key]
+        if bound is not None and found[name] > bound.get(name, 0):
+            return None
+    return {name: found[name] for name in keys}, flops
+
+
+live_peaks.bounded = True      # the rewrite driver may pass `bound`
+
+
+def load_signature(typed: Typed, device: str) -> tuple:
+    """What a device's allocation sequence depends on beyond its nodes in order: the resident weights and
+    training state (which components its nodes use, as counts of nodes, so that two graphs with the same
+    signature keep it when the same nodes are removed from both), the transfer queue buffers, and gradient
+    accumulation. How often a step runs the device's nodes (the replica count, and whether a node is placed on
+    it directly) is the rewrite driver's to check. Its rejection certificates (rewrite/engine.py) hold while the
+    signature is unchanged."""
+    from collections import Counter
+
+    key = ("_load_signature", device)
+    if key not in typed.cache:
+        g, ctx = typed.graph, typed.ctx
+        on = [n for n in g.nodes if device in ctx.devices_of(n.device)]
+        comps: Counter = Counter()
+        for n in on:
+            op = registry.get(n.op)
+            if n.model and op.components:
+                m = ctx.models[n.model]
+                comps.update({m.component_owner(c) for c in op.components})
+        queues = tuple((n.id, int(typed.params[n.id].get("queue", 1)), typed.types[Ref(n.id, "out")].nbytes)
+                       for n in on if registry.get(n.op).traits.movement and int(typed.params[n.id].get("queue", 1)) > 1)
+        typed.cache[key] = (tuple(sorted(comps.items())), queues, int(ctx.spec.train.get("grad_accum", 1) or 1))
+    return typed.cache[key]
+
+
+def grad_seed(typed: Typed, node: Node) -> bool:
+    """A node autograd records whatever its inputs: it uses a trainable model's own weights (grad_nodes)."""
+    op = registry.get(node.op)
+    if not (node.model and op.components):
+        return False
+    m = typed.ctx.models[node.model]
+    return m.spec.trainable and any(m.component_owner(c).split(".")[0] == node.model for c in op.components)
 
 
 def events_peak(events, rounded: bool = False) -> int:

@@ -59,31 +59,65 @@ class CycleError(ValueError):
         self.cycle = cycle
 
 
+def _is_topological(nodes: list[Node], by_id: Mapping[str, Node]) -> bool:
+    """Whether every input of every node is made by a node before it (or by no node: an unknown input)."""
+    if len(by_id) != len(nodes):
+        return False
+    seen: set[str] = set()
+    for n in nodes:
+        for _, r in n.inputs:
+            if r.node not in seen and r.node in by_id:
+                return False
+        seen.add(n.id)
+    return True
+
+
+def _nx_of(nodes, by_id: Mapping[str, Node]) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for n in nodes:
+        g.add_node(n.id)
+    for n in nodes:
+        for _, r in n.inputs:
+            if r.node in by_id:
+                g.add_edge(r.node, n.id)
+    return g
+
+
 class Graph:
     """Nodes in a deterministic topological order. Value semantics: every change returns a new Graph."""
 
     def __init__(self, nodes: Iterable[Node]):
         nodes = list(nodes)
         self._by_id: dict[str, Node] = {n.id: n for n in nodes}
-        g = nx.DiGraph()
-        for n in nodes:
-            g.add_node(n.id)
-        for n in nodes:
-            for _, r in n.inputs:
-                if r.node in self._by_id:
-                    g.add_edge(r.node, n.id)
-        self._nx = g
-        try:
-            written = {n.id: i for i, n in enumerate(nodes)}
-            order = list(nx.lexicographical_topological_sort(g, key=lambda i: (written[i], i)))
-        except nx.NetworkXUnfeasible:
-            cyc = nx.find_cycle(g)
-            raise CycleError([a for a, _ in cyc] + [cyc[0][0]]) from None
-        self.nodes: tuple[Node, ...] = tuple(self._by_id[i] for i in order)
+        self._nx_graph: nx.DiGraph | None = None
+        if _is_topological(nodes, self._by_id):
+            # NOTE [Graph order]: the order is the lexicographical topological sort keyed by written position;
+            # when the written order already is topological, that sort returns it unchanged (at every step the
+            # next written node is ready and has the least key), so it is kept without sorting
+            self.nodes: tuple[Node, ...] = tuple(nodes)
+            self.resorted = False
+        else:
+            self.resorted = True           # the order differs from the written one
+            g = self._nx_graph = _nx_of(nodes, self._by_id)
+            try:
+                written = {n.id: i for i, n in enumerate(nodes)}
+                order = list(nx.lexicographical_topological_sort(g, key=lambda i: (written[i], i)))
+            except nx.NetworkXUnfeasible:
+                cyc = nx.find_cycle(g)
+                raise CycleError([a for a, _ in cyc] + [cyc[0][0]]) from None
+            self.nodes = tuple(self._by_id[i] for i in order)
         self._consumers: dict[Ref, list[tuple[str, str]]] = {}
+        self._read: dict[str, set[str]] = {}
         for n in self.nodes:
             for port, r in n.inputs:
                 self._consumers.setdefault(r, []).append((n.id, port))
+                self._read.setdefault(r.node, set()).add(r.output)
+
+    @property
+    def _nx(self) -> nx.DiGraph:
+        if self._nx_graph is None:
+            self._nx_graph = _nx_of(self.nodes, self._by_id)
+        return self._nx_graph
 
     def __getitem__(self, nid: str) -> Node:
         return self._by_id[nid]
@@ -99,7 +133,7 @@ class Graph:
         return list(self._consumers.get(ref, ()))
 
     def read_outputs(self, nid: str) -> set[str]:
-        return {r.output for r in self._consumers if r.node == nid}
+        return set(self._read.get(nid, ()))
 
     def ancestors(self, nid: str) -> set[str]:
         return nx.ancestors(self._nx, nid)

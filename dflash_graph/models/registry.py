@@ -28,7 +28,19 @@ class Arch:
         return getattr(self.module, self._dims_class).from_config(config)
 
     def component_params(self, dims: Any) -> dict[str, int]:
-        return self.module.component_params(dims)
+        # pure in the dims (frozen attrs): the memory model asks for it per node and per rewrite candidate
+        try:
+            hit = _PARAMS.get((self.name, dims))
+        except TypeError:       # unhashable dims
+            return self.module.component_params(dims)
+        if hit is None:
+            if len(_PARAMS) > 256:
+                _PARAMS.clear()
+            hit = _PARAMS[(self.name, dims)] = dict(self.module.component_params(dims))
+        return dict(hit)
+
+
+_PARAMS: dict[tuple[str, Any], dict[str, int]] = {}
 
 
 HF_RUNTIME_KEYS = frozenset({

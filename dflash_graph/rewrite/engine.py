@@ -53,19 +53,31 @@ class ContractBroken(RuntimeError):
     pass
 
 
-# NOTE [Rewrite bound]: each candidate rewrite is re-inferred incrementally (NOTE [Incremental inference] in
-# analysis/infer.py) but priced by the memory model over the whole device (analysis/memory.live_peaks), and the
-# number of rewrites grows with the node count, so rewriting costs about the square of the node count: 0.5 CPU s at
-# 50 nodes, 1.2 s at 100, 3.5 s at 150 (benchmarks/check_scaling.py). Training graphs have 10 to 40 nodes; a larger
-# graph is refused with this bound named, and checks as written (--no-rewrite: linear, ~1 s at 1,000 nodes).
-MAX_REWRITE_NODES = 100
+# NOTE [Rewrite bound]: the driver takes, at every step, the first candidate in (node order, rule order) that
+# matches and does not raise a device's peak, and prices every candidate it tries by replaying each device's
+# allocations over the whole graph (NOTE [Rewrite pricing]). Re-inference is incremental (NOTE [Incremental
+# inference]) and the scan's matches are cheap. A candidate rejected on one graph can be accepted on a later one
+# (another rewrite lowered the live bytes where it raised them), so the driver must consider it again after every
+# accepted rewrite; pricing it again each time made rewriting grow with the cube of the node count (24 CPU s at
+# 300 nodes). A rejection certificate (NOTE [Rejection certificates]) re-rejects it without pricing while the
+# rewrites since cannot have changed the verdict, so the driver prices about one candidate per rewrite applied,
+# each in time linear in the graph: rewriting grows with the square of the node count
+# (benchmarks/check_scaling.py, CPU s on the shared 2-core machine: 0.6 at 100 nodes, 1.5 at 150, 2.8 at 200,
+# 6.1 at 300, against 2.5, 8.4 and 23 at 100 to 200 before). Training graphs have 10 to 40 nodes; a graph over the bound
+# (under 2 s) is refused with the bound named, and checks as written (--no-rewrite: linear, ~1.6 s at the
+# 5,000-node bound). Linear rewriting needs pricing in time independent of the graph size (a live-byte curve
+# updated where a rewrite changes it).
+MAX_REWRITE_NODES = 150
 
 Tables = Sequence[tuple[str, Sequence[Rule]]]
 Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed -> (peak per device, flops per device)
 
 
 def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = None,
-            verify: bool = False) -> tuple[Typed, list[Applied]]:
+            verify: bool = False, certificates: bool = True) -> tuple[Typed, list[Applied]]:
+    """Run the tables to a fixpoint (NOTE [Fixpoint over all passes]). `verify` checks every step's incremental
+    re-inference against inference from scratch and prices every certified candidate anyway;
+    `certificates=False` prices every candidate every time (the same rewrites, slower: for tests)."""
     applied: list[Applied] = []
     if len(typed.graph) > MAX_REWRITE_NODES:
         raise GraphError(Problem(f"the graph has {len(typed.graph):,} nodes, over the bound of {MAX_REWRITE_NODES} "
@@ -76,6 +88,7 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
         max_steps = 500 + 10 * len(typed.graph)
     peaks, flops = costs(typed)
     steps = 0
+    certs: dict[tuple[str, str], _Cert] = {}     # NOTE [Rejection certificates]
     # NOTE [Fixpoint over all passes]: a later pass can enable an earlier one (merge_duplicates in `cleanup`
     # leaves a position-wise node with one reader, which `push_selections` then moves a gather through), so the
     # passes run again, in order, until a whole round applies nothing. The loop guard counts applied rewrites
@@ -96,6 +109,12 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                         rep = rule.match(typed, node)
                         if rep is None:
                             continue
+                        cert = certs.get((rule.name, node.id))
+                        sure = cert is not None and cert.rep == _rep_key(rep) and \
+                            peaks.get(cert.device, 0) <= cert.bound
+                        if sure and not verify:
+                            rejected.add(key)      # rejected again, without pricing (NOTE [Rejection certificates])
+                            continue
                         graph = typed.graph.replace(rep.remove, rep.add, rep.redirect)
                         try:
                             new = infer(graph, typed.ctx, prev=typed)   # NOTE [Incremental inference]
@@ -105,10 +124,26 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                         if _replicas(new) != _replicas(typed):
                             rejected.add(key)      # NOTE [Replicas]
                             continue
-                        new_peaks, new_flops = costs(new)
+                        # NOTE [Rewrite pricing]: a candidate is priced by replaying each device's allocations
+                        # (analysis/memory.live_peaks); with the current peaks as a bound the replay stops at the
+                        # first device whose live bytes pass its peak: the verdict is the same, reached sooner
+                        if not rep.always and getattr(costs, "bounded", False):
+                            priced = costs(new, bound=peaks)     # None: some device's peak rises
+                            if priced is None:
+                                cert = _certificate(typed, new, rep, peaks) if certificates else None
+                                if cert is not None:
+                                    certs[(rule.name, node.id)] = cert
+                                rejected.add(key)
+                                continue
+                        else:
+                            priced = costs(new)
+                        new_peaks, new_flops = priced
                         if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
                             rejected.add(key)
                             continue
+                        if sure:
+                            raise ContractBroken(f"rule {rule.name} at '{node.id}': a rejection certificate held for a "
+                                                 "candidate that pricing accepts (NOTE [Rejection certificates])")
                         steps += 1
                         if steps > max_steps:
                             raise RewriteLoopError(f"infinite loop in rewrite pass '{pass_name}': more than {max_steps} "
@@ -116,9 +151,11 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                         applied.append(Applied(pass_name, rule.name, rule.trait, rep.touched or (node.id,),
                                                {d: peaks.get(d, 0) - new_peaks.get(d, 0) for d in peaks},
                                                {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
+                        if certs:
+                            certs = _still_certain(certs, typed, new)
                         typed, peaks, flops = new, new_peaks, new_flops
                         if verify:
-                            infer(typed.graph, typed.ctx)
+                            _check_incremental(typed)
                         changed = True
                         break
                     if changed:
@@ -128,12 +165,151 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
     return typed, applied
 
 
+# NOTE [Rejection certificates]: a candidate rejected on one graph must be considered again on every later
+# graph the scan meets it on (NOTE [Rewrite bound]). Pricing (analysis/memory.live_peaks) rejects a candidate as
+# soon as one device's live bytes pass that device's current peak P, and notes where: in the load phase, or in
+# the forward of node w in iteration i of the step. There the live bytes are L_i + D: L_i, those at the start of
+# iteration i, and D, what the forward has added since, which depends only on the nodes up to w in order (their
+# types, costs and hooks) and on how many readers the tensors they make have (every iteration runs the same
+# forward; a tensor's readers matter where it is made, on its producer's devices). L_0 is the device's load
+# (memory.load_signature); a later L_i is at least L_0 plus the weight gradients made in iteration 0, which the
+# trainable models' seed nodes on the device decide (memory.grad_seed): a certificate is only made when L_i was
+# exactly that, every backward node with a trainable model has a seed of its model on the device, and the
+# candidate's graph kept its written order. An accepted rewrite then leaves the certificate valid when
+#   - every node it removes, rewires or adds, and every producer (on the device) of a tensor whose readers it
+#     changes, comes after w in order; where it changes the readers of a ref the candidate redirects, the
+#     ref's new source comes after w too;
+#   - the device's load signature is the same, and it changes no seed, no node the candidate removes, no node
+#     that keeps one placed directly on the device or that keeps the replica count, and makes no node on a
+#     wider group (how often a step runs the device's nodes is unchanged).
+# The candidate, proposing the same replacement, then has at least the live bytes it had there, above P, and P
+# is still at least the device's current peak: it is rejected again without being priced. The verdicts, hence
+# the rewrites applied, are the driver's without certificates, except that a candidate whose graph would now
+# be ill-typed is skipped instead of raising ContractBroken (a rule bug; it was well-typed when first priced).
+# rewrite(verify=True) prices every certified candidate anyway and raises if pricing would accept it;
+# tests/test_rewrite_properties.py (property g: the same rewrites as certificates=False, on random graphs) and
+# tests/test_rewrite_rules.py (the widened graphs of benchmarks/check_scaling.py) check both.
+
+@attrs.frozen
+class _Cert:
+    rep: tuple                 # the replacement that was rejected (_rep_key)
+    device: str                # where its live bytes passed the peak
+    bound: int                 # that device's peak then
+    witness: str               # the node in whose forward they passed it; "" in the load phase
+    seeds: frozenset[str]      # the seed nodes on the device whose weight gradients L_i counts
+    redirect: tuple[tuple[str, str], ...] = ()   # (producer of a ref it redirects, producer of its new source)
+    removes: frozenset[str] = frozenset()         # the nodes it removes
+    direct: str | None = None  # a node placed on the device itself that it keeps (None: it leaves none)
+    replicas: int = 1          # the replica count it leaves (NOTE [Replicas]) ...
+    widest: str | None = None  # ... and a node on a group that wide that it keeps (None: replicas is 1)
+
+
+def _rep_key(rep: Replacement) -> tuple:
+    return (tuple(rep.remove),
+            tuple((n.id, n.op, n.inputs, tuple(sorted((k, repr(v)) for k, v in n.params.items())), n.device, n.model,
+                   n.spec_index, n.note) for n in rep.add),
+            tuple(sorted(rep.redirect.items())), rep.always)
+
+
+def _certificate(typed: Typed, new: Typed, rep: Replacement, peaks: Mapping[str, int]) -> "_Cert | None":
+    """The certificate of a candidate (typed -> new) that pricing rejected, when its witness allows one."""
+    from ..analysis.memory import grad_nodes, grad_seed
+
+    over = new.cache.get("_over")
+    if over is None:
+        return None
+    device, at, it, start0, start_i = over
+    if at is None or (at and at not in typed.graph) or new.graph.resorted:
+        return None       # (a candidate whose nodes had to be sorted may pull later nodes before w)
+    seeds: frozenset[str] = frozenset()
+    if at and it > 0:
+        if start0 is None or start_i is None or start_i[0] - start0[0] != start_i[1] - start0[1]:
+            return None              # L_i is not the load plus weight gradients
+        on = [n for n in new.graph.nodes if device in new.ctx.devices_of(n.device)]
+        grads = grad_nodes(new)
+        trainable = {m for m, info in new.ctx.models.items() if info.spec.trainable}
+        seed_nodes = [n for n in on if grad_seed(new, n)]
+        if {n.model for n in on if n.id in grads and n.model in trainable} - {n.model for n in seed_nodes}:
+            return None
+        seeds = frozenset(n.id for n in seed_nodes if n.id in typed.graph)
+    # how often a step runs the device's nodes depends on whether one is placed on it directly: a witness
+    direct = [n.id for n in new.graph.nodes if n.device == device]
+    kept = [i for i in direct if i in typed.graph and i not in rep.remove]
+    if direct and not kept:
+        return None
+    width = _replicas(new)
+    widest = next((n.id for n in new.graph.nodes if len(new.ctx.devices_of(n.device)) == width
+                   and n.id in typed.graph and n.id not in rep.remove), None) if width > 1 else None
+    if width > 1 and widest is None:
+        return None
+    return _Cert(_rep_key(rep), device, peaks.get(device, 0), at, seeds,
+                 tuple(sorted({(k.node, v.node) for k, v in rep.redirect.items()})), frozenset(rep.remove),
+                 kept[0] if kept else None, width, widest)
+
+
+def _still_certain(certs: dict, old: Typed, new: Typed) -> dict:
+    """The certificates an accepted rewrite (old -> new) leaves valid: their witness comes before every node
+    the rewrite affects, in the old graph's order, no seed of theirs is affected, and their device's load is
+    the same."""
+    from ..analysis.memory import load_signature
+
+    g, g2 = old.graph, new.graph
+    pos = {n.id: i for i, n in enumerate(g.nodes)}
+    kept_objs = {id(n) for n in g2.nodes}
+    old_objs = {id(n) for n in g.nodes}
+    gone = [n for n in g.nodes if id(n) not in kept_objs]
+    made = [n for n in g2.nodes if id(n) not in old_objs]
+    # a tensor's readers matter to a device's replay where it is made: on the devices its producer runs on
+    first_gone = min((pos[n.id] for n in gone), default=len(pos))
+    producers = {r.node for n in gone + made for _, r in n.inputs if r.node in pos}
+    gone_ids = {n.id for n in gone}
+    first: dict[str, int] = {}
+    for d in {c.device for c in certs.values()}:
+        if load_signature(old, d) != load_signature(new, d):
+            first[d] = -1
+            continue
+        first[d] = min([first_gone] + [pos[p] for p in producers if d in old.ctx.devices_of(g[p].device)])
+
+    def valid(c: _Cert) -> bool:
+        if first[c.device] < 0 or c.seeds & gone_ids or c.removes & gone_ids:
+            return False
+        if c.direct in gone_ids or (c.direct is None and any(n.device == c.device for n in made)):
+            return False
+        if c.widest in gone_ids or any(len(old.ctx.devices_of(n.device)) > c.replicas for n in made):
+            return False
+        if c.witness == "":
+            return True
+        if c.witness not in pos:
+            return False
+        # the candidate moves the readers of the refs it redirects to their new sources: where the rewrite
+        # changed those readers, the new sources' reader counts change too
+        at = min([first[c.device]] + [pos[v] for k, v in c.redirect if k in producers and v in pos
+                                      and c.device in old.ctx.devices_of(g[v].device)])
+        return pos[c.witness] < at
+
+    return {k: c for k, c in certs.items() if valid(c)}
+
+
+def _check_incremental(typed: Typed) -> None:
+    """Incremental re-inference (NOTE [Incremental inference]) gives what inferring from scratch gives: the same
+    types and params, in the same order."""
+    full = infer(typed.graph, typed.ctx)
+    if list(full.types.items()) != list(typed.types.items()) or \
+            list(full.params.items()) != list(typed.params.items()):
+        diff = sorted({str(r) for r in full.types.keys() ^ typed.types.keys()} |
+                      {str(r) for r in full.types.keys() & typed.types.keys() if full.types[r] != typed.types[r]} |
+                      {n for n in full.params.keys() & typed.params.keys() if full.params[n] != typed.params[n]})
+        raise ContractBroken(f"incremental re-inference differs from inferring the graph from scratch: {diff or 'order'}")
+
+
 def _replicas(typed: Typed) -> int:
     """NOTE [Replicas]: a step runs the graph once per replica of the widest group that has a node
     (exec/interpreter.py, analysis/memory.py), so a node on one device runs that many times per step. A rewrite
     that removed the last node of that group (a transfer round trip through it, say) would change how often
     every other node runs: it is not taken."""
-    return max((len(typed.ctx.devices_of(n.device)) for n in typed.graph.nodes), default=1)
+    from ..analysis.launch import replicas
+
+    return replicas(typed)
 
 
 def _fingerprint(g: Graph) -> int:

@@ -242,15 +242,28 @@ def mergeable(op) -> bool:
 def _cse(typed: Typed, node: Node) -> Replacement | None:
     if not mergeable(_op(node)):
         return None
-    key = (node.op, node.inputs, tuple(sorted((k, repr(v)) for k, v in node.params.items())), node.device)
-    for other in typed.graph.nodes:
-        if other.id == node.id:
-            break
-        if (other.op, other.inputs, tuple(sorted((k, repr(v)) for k, v in other.params.items())), other.device) == key:
-            return Replacement(remove=(node.id,), redirect={Ref(node.id, k): Ref(other.id, k)
-                                                            for k in typed.outputs_of(node.id)},
-                               touched=(node.id, other.id))
-    return None
+    first = _first_twins(typed).get(_cse_key(node))
+    if first is None or first == node.id:     # the first node in order with this key is kept
+        return None
+    return Replacement(remove=(node.id,), redirect={Ref(node.id, k): Ref(first, k) for k in typed.outputs_of(node.id)},
+                       touched=(node.id, first))
+
+
+def _cse_key(node: Node) -> tuple:
+    return (node.op, node.inputs, tuple(sorted((k, repr(v)) for k, v in node.params.items())), node.device)
+
+
+def _first_twins(typed: Typed) -> dict[tuple, str]:
+    """The first node in order with each (op, inputs, params, device): built once per typed graph, so matching
+    every node costs linear time, not the square of the node count."""
+    index = typed.cache.get("_cse_first")
+    if index is None:
+        index = {}
+        for n in typed.graph.nodes:
+            if mergeable(_op(n)):
+                index.setdefault(_cse_key(n), n.id)
+        typed.cache["_cse_first"] = index
+    return index
 
 
 CSE = Rule("merge_duplicates", "Traits.pure + Traits.deterministic",
