@@ -439,6 +439,9 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
             consumers_left_init[r] = consumers_left_init.get(r, 0) + 1
     actions: dict[str, list] = {}
     alloc, free = seq.alloc, seq.free
+    fast = type(seq) is _Seq
+    if fast:
+        ids, sizes, append = seq.ids, seq.sizes, seq.events.append
     for step in range(steps):
         for it in range(iters):
             left = dict(consumers_left_init)
@@ -456,11 +459,26 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                     acts = actions.get(n.id)
                     if acts is None:    # the same for every step and iteration: built once per replay
                         acts = actions[n.id] = _node_actions(typed, n, cost, outs, compress, desc)
-                    for is_alloc, key, size, lab in acts:
-                        if is_alloc:
-                            alloc(key, size, lab)
-                        else:
-                            free(key, lab)
+                    if fast:    # _Seq.alloc / _Seq.free inlined: the bulk of a replay's events
+                        nxt = seq._next
+                        for is_alloc, key, size, lab in acts:
+                            if is_alloc:
+                                if size > 0:
+                                    ids[key] = nxt
+                                    sizes[nxt] = size
+                                    append(_new_ev(_Ev, ("alloc", nxt, size, lab)))
+                                    nxt += 1
+                            else:
+                                tid = ids.pop(key, None)
+                                if tid is not None:
+                                    append(_new_ev(_Ev, ("free", tid, sizes[tid], lab)))
+                        seq._next = nxt
+                    else:
+                        for is_alloc, key, size, lab in acts:
+                            if is_alloc:
+                                alloc(key, size, lab)
+                            else:
+                                free(key, lab)
                     for k in outs:
                         ref = Ref(n.id, k)
                         if left.get(ref, 0) == 0 and not registry.get(n.op).traits.sink:
@@ -609,7 +627,7 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
                     peak_live, peak_label = live, ev.label
             else:
                 live -= ev.size
-        labels = tuple(e.label for e in events)
+        labels = tuple([e.label for e in events])
 
         def at(i: int) -> str:
             return labels[i].split("/")[0] if 0 <= i < len(labels) else ""
