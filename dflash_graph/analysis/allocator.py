@@ -461,6 +461,7 @@ class CachingAllocatorSim:
         # NOTE: CCA.cpp `malloc` / `get_free_block`: GC runs only when
         # `set_fraction && garbage_collection_threshold() > 0`.
         self._gc = config.garbage_collection_threshold is not None and capacity_bytes is not None
+        self._sizes: dict[int, tuple[int, int]] = {}    # request -> (round_size, allocation_size)
 
     # ------------------------------------------------------------------ stats
     def _add_reserved(self, n: int) -> None:
@@ -494,9 +495,12 @@ class CachingAllocatorSim:
         if orig_size <= 0:
             raise ValueError("malloc of a non-positive size (size-0 tensors never reach the allocator)")
         cfg = self.config
-        size = round_size(orig_size, cfg.roundup_power2_divisions)
+        sizes = self._sizes.get(orig_size)
+        if sizes is None:   # a replay repeats a few hundred request sizes
+            r = round_size(orig_size, cfg.roundup_power2_divisions)
+            sizes = self._sizes[orig_size] = (r, allocation_size(r))
+        size, alloc_size = sizes
         pool = self.small if size <= K_SMALL_SIZE else self.large
-        alloc_size = allocation_size(size)
 
         # NOTE: CCA.cpp `malloc`: first `get_free_block` (callbacks not modelled).
         block = self._get_free_block(pool, size)
@@ -946,49 +950,58 @@ def simulate(
     """
     sim = CachingAllocatorSim(capacity_bytes, config)
     divisions = config.roundup_power2_divisions
-    live: dict[int, tuple[_Block | None, int]] = {}
+    live: dict[int, tuple[_Block | None, int, int]] = {}     # tensor -> block, size, rounded size
     live_rounded = 0
     live_rounded_peak = 0
     live_rounded_peak_index = -1
     timeline: list[tuple[int, int]] = []
+    append = timeline.append
+    malloc, free = sim.malloc, sim.free
+    rounded: dict[int, int] = {}    # round_size by request size: a replay repeats a few hundred sizes
     oom: OomReport | None = None
     for i, ev in enumerate(events):
         sim.step = i
-        if ev.op == "alloc":
-            if ev.tensor in live:
-                raise ValueError(f"event {i}: tensor {ev.tensor} allocated twice without a free")
-            if ev.size < 0:
-                raise ValueError(f"event {i}: negative size {ev.size}")
-            if ev.size == 0:
+        op = ev.op
+        if op == "alloc":
+            tensor, size = ev.tensor, ev.size
+            if tensor in live:
+                raise ValueError(f"event {i}: tensor {tensor} allocated twice without a free")
+            if size < 0:
+                raise ValueError(f"event {i}: negative size {size}")
+            if size == 0:
                 # NOTE: CCA.cpp `NativeCachingAllocator::allocate`: size-0
                 # requests return a null DataPtr and never reach malloc.
-                live[ev.tensor] = (None, 0)
+                live[tensor] = (None, 0, 0)
             else:
                 try:
-                    blk = sim.malloc(ev.size, ev.label, ev.tensor)
+                    blk = malloc(size, ev.label, tensor)
                 except AllocatorOutOfMemory as e:
                     oom = attrs.evolve(e.report, live_rounded_bytes=live_rounded)
-                    timeline.append((sim.allocated, sim.reserved))
+                    append((sim.allocated, sim.reserved))
                     break
-                live[ev.tensor] = (blk, ev.size)
-                live_rounded += round_size(ev.size, divisions)
+                r = rounded.get(size)
+                if r is None:
+                    r = rounded[size] = round_size(size, divisions)
+                live[tensor] = (blk, size, r)
+                live_rounded += r
                 if live_rounded > live_rounded_peak:
                     live_rounded_peak = live_rounded
                     live_rounded_peak_index = i
-        elif ev.op == "free":
-            if ev.tensor not in live:
-                raise ValueError(f"event {i}: free of unknown tensor {ev.tensor}")
-            blk, size = live.pop(ev.tensor)
-            if ev.size not in (0, size):
-                raise ValueError(f"event {i}: free size {ev.size} != allocated size {size} for tensor {ev.tensor}")
+        elif op == "free":
+            tensor = ev.tensor
+            if tensor not in live:
+                raise ValueError(f"event {i}: free of unknown tensor {tensor}")
+            blk, size, r = live.pop(tensor)
+            if ev.size != 0 and ev.size != size:
+                raise ValueError(f"event {i}: free size {ev.size} != allocated size {size} for tensor {tensor}")
             if blk is not None:
-                sim.free(blk)
-                live_rounded -= round_size(size, divisions)
-        elif ev.op == "empty_cache":
+                free(blk)
+                live_rounded -= r
+        elif op == "empty_cache":
             sim.empty_cache()
         else:
-            raise ValueError(f"event {i}: unknown op {ev.op!r}")
-        timeline.append((sim.allocated, sim.reserved))
+            raise ValueError(f"event {i}: unknown op {op!r}")
+        append((sim.allocated, sim.reserved))
     return SimResult(
         allocated_peak=sim.allocated_peak,
         reserved_peak=sim.reserved_peak,

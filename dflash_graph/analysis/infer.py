@@ -96,7 +96,10 @@ class Typed:
 # NOTE [Layer bound]: the memory model replays a forward layer by layer (analysis/memory.py), so check time grows
 # with the layer count: 64 layers cost about what 2 do, 1,000 cost seconds. The largest released models have
 # 61 (DeepSeek-V3) to 126 (Llama 3.1 405B) layers; 512 is four times that, and a larger count is refused with
-# this bound named rather than left to run for minutes (10**12 layers never finished).
+# this bound named rather than left to run for minutes (10**12 layers never finished). The cost is per allocation
+# event (building the events, the allocator model, the timeline and labels), none of it a single hot spot; where
+# it goes, and why identical layers are not yet replayed in closed form (which would lift this bound):
+# benchmarks/README.md, check_scaling.py.
 MAX_LAYERS = 512
 MAX_NODES = 5000
 # the memory model replays every layer of every node that runs a model's decoder layers (an op whose components

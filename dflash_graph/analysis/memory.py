@@ -249,6 +249,9 @@ class _Ev(NamedTuple):
     label: str
 
 
+_new_ev = tuple.__new__     # _Ev(...) without the namedtuple's Python-level __new__: the same tuple
+
+
 class _Seq:
     labels = True
     at: str | None = ""
@@ -269,12 +272,12 @@ class _Seq:
         self._next += 1
         self.ids[key] = tid
         self.sizes[tid] = size
-        self.events.append(_Ev("alloc", tid, size, label))
+        self.events.append(_new_ev(_Ev, ("alloc", tid, size, label)))
 
     def free(self, key: Any, label: str) -> None:
         tid = self.ids.pop(key, None)
         if tid is not None:
-            self.events.append(_Ev("free", tid, self.sizes[tid], label))
+            self.events.append(_new_ev(_Ev, ("free", tid, self.sizes[tid], label)))
 
     def live(self, key: Any) -> bool:
         return key in self.ids
@@ -362,6 +365,33 @@ def _compressed(program: tuple[tuple[str, str, int], ...]) -> tuple[tuple[str, s
     return (("alloc", "peak", extra), *out_steps, ("free", "peak", 0))
 
 
+def _node_actions(typed: Typed, n: Node, cost: NodeCost, outs, compress: bool, desc) -> list:
+    """A node's forward program as the allocator calls it makes, (is_alloc, key, size, label) each: what every
+    step and iteration of a replay repeats (the program's tap and output frees are no calls)."""
+    program = cost.program
+    if program is not None and compress:
+        program = _compressed(program)
+    if program is None:
+        program = (("alloc", "ws", cost.workspace_bytes),
+                   *(("alloc", f"out:{k}", t.nbytes) for k, t in outs.items()), ("free", "ws", 0))
+    taps = hook_refs(typed, n.id) if "taps" in outs else {}
+    acts = []
+    for kind, key, size in program:
+        if key.startswith("tap:"):
+            ref = taps[int(key[4:])]
+            if kind == "alloc":
+                acts.append((True, ref, size, f"{n.id}/{desc(typed, ref)} (hooked by {ref.node})"))
+        elif key.startswith("out:"):
+            ref = Ref(n.id, key[4:])
+            if kind == "alloc" and ref in typed.types:
+                acts.append((True, ref, size, f"{n.id}/{desc(typed, ref)}"))
+        elif kind == "alloc":
+            acts.append((True, (n.id, key), size, f"{n.id}/{key}"))
+        else:
+            acts.append((False, (n.id, key), 0, f"{n.id}/{key}"))
+    return acts
+
+
 def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                    seq: "_Seq | _PeakSeq | None" = None) -> tuple[list[Event], dict[str, int]]:
     g, ctx = typed.graph, typed.ctx
@@ -407,6 +437,11 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
     for n in g.nodes:
         for _, r in n.inputs:
             consumers_left_init[r] = consumers_left_init.get(r, 0) + 1
+    actions: dict[str, list] = {}
+    alloc, free = seq.alloc, seq.free
+    fast = type(seq) is _Seq
+    if fast:
+        ids, sizes, append = seq.ids, seq.sizes, seq.events.append
     for step in range(steps):
         for it in range(iters):
             left = dict(consumers_left_init)
@@ -418,30 +453,32 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                 here = n.id in on_ids
                 cost = costs.get(n.id, NodeCost())
                 if here:
-                    label = n.id
                     outs = typed.outputs_of(n.id)
-                    program = cost.program
-                    if program is not None and compress:
-                        program = _compressed(program)
-                    if program is None:
-                        program = (("alloc", "ws", cost.workspace_bytes),
-                                   *(("alloc", f"out:{k}", t.nbytes) for k, t in outs.items()), ("free", "ws", 0))
                     if cost.saved_bytes:
                         seq.alloc(("saved", n.id), cost.saved_bytes, f"{n.id}/saved for backward")
-                    taps = hook_refs(typed, n.id) if "taps" in outs else {}
-                    for kind, key, size in program:
-                        if key.startswith("tap:"):
-                            ref = taps[int(key[4:])]
-                            if kind == "alloc":
-                                seq.alloc(ref, size, f"{n.id}/{desc(typed, ref)} (hooked by {ref.node})")
-                        elif key.startswith("out:"):
-                            ref = Ref(n.id, key[4:])
-                            if kind == "alloc" and ref in typed.types:
-                                seq.alloc(ref, size, f"{n.id}/{desc(typed, ref)}")
-                        elif kind == "alloc":
-                            seq.alloc((n.id, key), size, f"{n.id}/{key}")
-                        else:
-                            seq.free((n.id, key), f"{n.id}/{key}")
+                    acts = actions.get(n.id)
+                    if acts is None:    # the same for every step and iteration: built once per replay
+                        acts = actions[n.id] = _node_actions(typed, n, cost, outs, compress, desc)
+                    if fast:    # _Seq.alloc / _Seq.free inlined: the bulk of a replay's events
+                        nxt = seq._next
+                        for is_alloc, key, size, lab in acts:
+                            if is_alloc:
+                                if size > 0:
+                                    ids[key] = nxt
+                                    sizes[nxt] = size
+                                    append(_new_ev(_Ev, ("alloc", nxt, size, lab)))
+                                    nxt += 1
+                            else:
+                                tid = ids.pop(key, None)
+                                if tid is not None:
+                                    append(_new_ev(_Ev, ("free", tid, sizes[tid], lab)))
+                        seq._next = nxt
+                    else:
+                        for is_alloc, key, size, lab in acts:
+                            if is_alloc:
+                                alloc(key, size, lab)
+                            else:
+                                free(key, lab)
                     for k in outs:
                         ref = Ref(n.id, k)
                         if left.get(ref, 0) == 0 and not registry.get(n.op).traits.sink:
@@ -581,13 +618,16 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
         node_peaks: dict[str, int] = {}
         peak_label = ""
         for ev in events:
-            live += ev.size if ev.op == "alloc" else -ev.size
-            node = ev.label.split("/")[0]
             if ev.op == "alloc":
-                node_peaks[node] = max(node_peaks.get(node, 0), live)
+                live += ev.size
+                node = ev.label.partition("/")[0]
+                if live > node_peaks.get(node, -1):
+                    node_peaks[node] = live
                 if live > peak_live:
                     peak_live, peak_label = live, ev.label
-        labels = tuple(e.label for e in events)
+            else:
+                live -= ev.size
+        labels = tuple([e.label for e in events])
 
         def at(i: int) -> str:
             return labels[i].split("/")[0] if 0 <= i < len(labels) else ""

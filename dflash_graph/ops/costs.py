@@ -159,8 +159,10 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
     steps: list[tuple[str, str, int]] = [("alloc", "embeds", h)]
     owned = ("out:", "tap:")
     alive: dict[str, str] = {}           # replay name -> program key
+    labels: dict[str, str] = {}          # replay name -> qwen3_5.tensor_label (the same for every layer)
 
     def replay(events, prefix: str, out_key: str | None) -> None:
+        where = f"layer {prefix[1:-1]} " if prefix[1:-1].isdigit() else prefix
         for ev, size in events:
             kind, name = ev[0], ev[1:]
             if name in ("h_in",) or ev == "-h_out":
@@ -169,8 +171,9 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
                 steps.append(("alloc", out_key, h))
             elif kind == "+":
                 # unique: a renamed tensor keeps its own key; [heads, seq, seq] tensors named by shape for an OOM
-                label = qwen3_5.tensor_label(d, seq, dtype_bytes, name)
-                where = f"layer {prefix[1:-1]} " if prefix[1:-1].isdigit() else prefix
+                label = labels.get(name)
+                if label is None:
+                    label = labels[name] = qwen3_5.tensor_label(d, seq, dtype_bytes, name)
                 alive[name] = (f"{prefix}{name}#{len(steps)}" if label == name
                                else f"{where}{label} #{len(steps)}")
                 steps.append(("alloc", alive[name], size))
