@@ -74,10 +74,11 @@ Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed
 
 
 def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = None,
-            verify: bool = False, certificates: bool = True) -> tuple[Typed, list[Applied]]:
+            verify: bool = False, certificates: bool = True, curves: bool = True) -> tuple[Typed, list[Applied]]:
     """Run the tables to a fixpoint (NOTE [Fixpoint over all passes]). `verify` checks every step's incremental
-    re-inference against inference from scratch and prices every certified candidate anyway;
-    `certificates=False` prices every candidate every time (the same rewrites, slower: for tests)."""
+    re-inference against inference from scratch, prices every certified candidate anyway, and checks every
+    price read off the live curves against a full replay; `certificates=False` prices every candidate every
+    time, `curves=False` prices every candidate by a full replay (the same rewrites, slower: for tests)."""
     applied: list[Applied] = []
     if len(typed.graph) > MAX_REWRITE_NODES:
         raise GraphError(Problem(f"the graph has {len(typed.graph):,} nodes, over the bound of {MAX_REWRITE_NODES} "
@@ -127,8 +128,13 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                         # NOTE [Rewrite pricing]: a candidate is priced by replaying each device's allocations
                         # (analysis/memory.live_peaks); with the current peaks as a bound the replay stops at the
                         # first device whose live bytes pass its peak: the verdict is the same, reached sooner
+                        # NOTE [Live curve]: given the graph it was rewritten from, pricing updates each device's
+                        # live curve where the rewrite changed it instead of replaying the whole graph
+                        kw = {"prev": typed} if curves and getattr(costs, "incremental", False) else {}
                         if not rep.always and getattr(costs, "bounded", False):
-                            priced = costs(new, bound=peaks)     # None: some device's peak rises
+                            priced = costs(new, bound=peaks, **kw)     # None: some device's peak rises
+                            if verify and kw:
+                                _check_pricing(new, costs, priced, peaks)
                             if priced is None:
                                 cert = _certificate(typed, new, rep, peaks) if certificates else None
                                 if cert is not None:
@@ -136,7 +142,9 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                                 rejected.add(key)
                                 continue
                         else:
-                            priced = costs(new)
+                            priced = costs(new, **kw)
+                            if verify and kw:
+                                _check_pricing(new, costs, priced, None)
                         new_peaks, new_flops = priced
                         if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
                             rejected.add(key)
@@ -288,6 +296,16 @@ def _still_certain(certs: dict, old: Typed, new: Typed) -> dict:
         return pos[c.witness] < at
 
     return {k: c for k, c in certs.items() if valid(c)}
+
+
+def _check_pricing(new: Typed, costs: Costs, priced, bound) -> None:
+    """A price read off the live curves (NOTE [Live curve]) is a full replay's: the same peaks, or the same
+    rejection at the same place."""
+    fresh = infer(new.graph, new.ctx)
+    full = costs(fresh, bound=bound) if bound is not None else costs(fresh)
+    if full != priced or (priced is None and fresh.cache.get("_over") != new.cache.get("_over")):
+        raise ContractBroken(f"pricing from the live curves differs from a full replay: {priced} != {full} "
+                             f"({new.cache.get('_over')} != {fresh.cache.get('_over')})")
 
 
 def _check_incremental(typed: Typed) -> None:
