@@ -654,6 +654,7 @@ class _Curve(NamedTuple):
     grads: tuple[int, ...]                  # weight-gradient bytes live at the start of each iteration
     refsize: dict                           # Ref -> the bytes allocated for it on the device
     direct: int                             # nodes placed on the device itself
+    owners: dict                            # model component -> how many of the device's nodes use it
 
 
 class _CurveSeq(_PeakSeq):
@@ -713,7 +714,7 @@ class _CurveSeq(_PeakSeq):
         if not self.same or self.load is None or len(self.tails) != len(self.starts):
             return None
         return _Curve(self.load, self.fwd, tuple(self.tails), tuple(g for _, g in self.starts), self.refsize,
-                      sum(1 for n in typed.graph.nodes if n.device == device))
+                      sum(1 for n in typed.graph.nodes if n.device == device), _device_owners(typed, device))
 
 
 class _BlockSeq(_PeakSeq):
@@ -729,9 +730,6 @@ class _BlockSeq(_PeakSeq):
         super().alloc(key, size, label)
         if type(key) is Ref:
             self.made[key] = self.sizes[key]
-
-
-_NO_DELTA = object()
 
 
 class _Delta(NamedTuple):
@@ -760,9 +758,14 @@ def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
     reordered = g1.resorted and [n.id for n in g0.nodes if n.id in b1] != [n.id for n in g1.nodes if n.id in b0]
     gone = [n for n in g0.nodes if b1.get(n.id) is not n]
     made = [n for n in g1.nodes if b0.get(n.id) is not n]
-    grads = _frozen_grads(typed)
-    if _frozen_grads(prev) != grads:
+    # autograd's path is the same when the rewrite removes none of its nodes and makes none (no seed, nothing
+    # reading it): every node it kept reads what it read, of the same kind
+    grads = _frozen_grads(prev)
+    if any(n.id in grads for n in gone) or \
+            any(grad_seed(typed, n) or any(r.node in grads for _, r in n.inputs) for n in made):
         return None
+    if "_grad_nodes" not in typed.cache:
+        typed.cache["_grad_nodes"] = grads
     read = set()
     for n in gone:
         read.update(r for _, r in n.inputs)
@@ -803,6 +806,26 @@ def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
     return _Delta(gone, made, frozenset(dirty), comps)
 
 
+def _owners(typed: Typed, n: Node) -> set[str]:
+    """The model components (their owners) whose weights a node uses."""
+    op = registry.get(n.op)
+    if not (n.model and op.components):
+        return set()
+    m = typed.ctx.models[n.model]
+    return {m.component_owner(c) for c in op.components}
+
+
+def _device_owners(typed: Typed, device: str) -> dict[str, int]:
+    """How many of a device's nodes use each model component (its load: component_bytes)."""
+    from collections import Counter
+
+    out: Counter = Counter()
+    for n in typed.graph.nodes:
+        if device in typed.ctx.devices_of(n.device):
+            out.update(_owners(typed, n))
+    return dict(out)
+
+
 def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: str, cuda: bool,
                  limit: int | None) -> tuple[int | None, Any] | None:
     """(peak, curve) of a device after the rewrite prev -> typed, or (None, where the live bytes pass `limit`:
@@ -815,8 +838,17 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
         sum(1 for n in delta.made if n.device == device)
     if (direct > 0) != (old.direct > 0):
         return None
-    if delta.comps and load_signature(prev, device) != load_signature(typed, device):
-        return None
+    owners = old.owners
+    if delta.comps:        # the load is the same while the device uses the same components
+        owners = dict(owners)
+        for t, nodes, sign in ((prev, delta.gone, -1), (typed, delta.made, 1)):
+            for n in nodes:
+                if device in ctx.devices_of(n.device):
+                    for o in _owners(t, n):
+                        owners[o] = owners.get(o, 0) + sign
+        owners = {o: c for o, c in owners.items() if c}
+        if owners.keys() != old.owners.keys():
+            return None
     g1 = typed.graph
     c1 = g1._consumers
     fwd = dict(old.fwd)
@@ -878,7 +910,39 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
             return None, (device, None, it, starts[0], starts[-1])
         peak = max(peak, base + top, base + total + tail_rise)
         base += total + tail_delta
-    return peak, _Curve(old.load, fwd, old.tails, old.grads, refsize, direct)
+    return peak, _Curve(old.load, fwd, old.tails, old.grads, refsize, direct, owners)
+
+
+def _flops(typed: Typed, prev: Typed | None) -> dict[str, int]:
+    """FLOPs of one step per device, in the order devices first appear; given `prev`, the graph `typed` was
+    rewritten from with the same autograd path (_rewrite_delta), as prev's less the nodes the rewrite removed or
+    inferred again plus those it made or inferred again."""
+    ctx = typed.ctx
+    grads = _frozen_grads(typed)
+    old = prev.cache.get("_flops") if prev is not None else None
+    if old is None:
+        flops: dict[str, int] = {}
+        for n in typed.graph.nodes:
+            f = _cached_cost(typed, n, n.id in grads).flops
+            for d in ctx.devices_of(n.device):
+                flops[d] = flops.get(d, 0) + f
+    else:
+        g0, g1 = prev.graph, typed.graph
+        b0, b1 = g0._by_id, g1._by_id
+        again = typed.cache["_reinferred"]
+        out = {n.id for n in g0.nodes if b1.get(n.id) is not n} | (again & b0.keys())
+        into = {n.id for n in g1.nodes if b0.get(n.id) is not n} | again
+        acc = dict(old)
+        for t, ids, sign in ((prev, out, -1), (typed, into, 1)):
+            for nid in ids:
+                n = t.graph[nid]
+                f = _cached_cost(t, n, nid in grads).flops * sign
+                for d in ctx.devices_of(n.device):
+                    acc[d] = acc.get(d, 0) + f
+        order = dict.fromkeys(d for p in dict.fromkeys(n.device for n in g1.nodes) for d in ctx.devices_of(p))
+        flops = {d: acc[d] for d in order}
+    typed.cache["_flops"] = flops
+    return dict(flops)
 
 
 def _no_desc(typed: Typed, ref: Ref) -> str:
@@ -892,12 +956,8 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None,
     bound: the rewrite driver rejects that candidate without replaying the rest (NOTE [Rewrite pricing]).
     With `prev`, the graph `typed` was rewritten from (and priced), each device's live curve is updated where
     the rewrite changed it instead of replayed, where it can be (NOTE [Live curve]): the same answer."""
-    grads = grad_nodes(typed)
-    flops: dict[str, int] = {}
-    for n in typed.graph.nodes:
-        f = _cached_cost(typed, n, n.id in grads).flops
-        for d in typed.ctx.devices_of(n.device):
-            flops[d] = flops.get(d, 0) + f
+    delta = _rewrite_delta(prev, typed) if prev is not None and "_curves" in prev.cache else None
+    flops = _flops(typed, prev if delta is not None else None)
     keys = {}
     for name in typed.ctx.spec.devices:
         cuda = typed.ctx.spec.devices[name].torch.startswith("cuda")
@@ -907,7 +967,6 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None,
     order = sorted(keys, key=lambda d: -len(keys[d][1])) if bound is not None else list(keys)
     found = {}
     curves = typed.cache.setdefault("_curves", {})
-    delta = _NO_DELTA
     for name in order:
         key, cuda = keys[name], keys[name][2]
         if key not in typed.cache:
@@ -916,11 +975,8 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None,
             limit = None if bound is None else bound.get(name, 0)
             old = prev.cache.get("_curves", {}).get(name) if prev is not None else None
             priced = None
-            if old is not None:
-                if delta is _NO_DELTA:
-                    delta = _rewrite_delta(prev, typed)
-                if delta is not None:
-                    priced = _curve_price(old, delta, prev, typed, name, cuda, limit)
+            if old is not None and delta is not None:
+                priced = _curve_price(old, delta, prev, typed, name, cuda, limit)
             if priced is None:          # the full replay
                 seq = _CurveSeq(cuda, limit)    # = events_peak(device_events(typed, name, 1, True)[0], cuda)
                 try:

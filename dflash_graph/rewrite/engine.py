@@ -303,7 +303,10 @@ def _check_pricing(new: Typed, costs: Costs, priced, bound) -> None:
     rejection at the same place."""
     fresh = infer(new.graph, new.ctx)
     full = costs(fresh, bound=bound) if bound is not None else costs(fresh)
-    if full != priced or (priced is None and fresh.cache.get("_over") != new.cache.get("_over")):
+    def items(p):
+        return p if p is None else (list(p[0].items()), list(p[1].items()))
+
+    if items(full) != items(priced) or (priced is None and fresh.cache.get("_over") != new.cache.get("_over")):
         raise ContractBroken(f"pricing from the live curves differs from a full replay: {priced} != {full} "
                              f"({new.cache.get('_over')} != {fresh.cache.get('_over')})")
 
