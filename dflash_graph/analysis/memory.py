@@ -655,6 +655,7 @@ class _Curve(NamedTuple):
     refsize: dict                           # Ref -> the bytes allocated for it on the device
     direct: int                             # nodes placed on the device itself
     owners: dict                            # model component -> how many of the device's nodes use it
+    count: int                              # nodes on the device (placed on it or on a group with it)
 
 
 class _CurveSeq(_PeakSeq):
@@ -714,7 +715,8 @@ class _CurveSeq(_PeakSeq):
         if not self.same or self.load is None or len(self.tails) != len(self.starts):
             return None
         return _Curve(self.load, self.fwd, tuple(self.tails), tuple(g for _, g in self.starts), self.refsize,
-                      sum(1 for n in typed.graph.nodes if n.device == device), _device_owners(typed, device))
+                      sum(1 for n in typed.graph.nodes if n.device == device), _device_owners(typed, device),
+                      _on(typed, typed.graph.nodes, device))
 
 
 class _BlockSeq(_PeakSeq):
@@ -910,7 +912,12 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
             return None, (device, None, it, starts[0], starts[-1])
         peak = max(peak, base + top, base + total + tail_rise)
         base += total + tail_delta
-    return peak, _Curve(old.load, fwd, old.tails, old.grads, refsize, direct, owners)
+    return peak, _Curve(old.load, fwd, old.tails, old.grads, refsize, direct, owners,
+                        old.count + _on(typed, delta.made, device) - _on(prev, delta.gone, device))
+
+
+def _on(typed: Typed, nodes, device: str) -> int:
+    return sum(1 for n in nodes if device in typed.ctx.devices_of(n.device))
 
 
 def _flops(typed: Typed, prev: Typed | None) -> dict[str, int]:
@@ -958,13 +965,20 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None,
     the rewrite changed it instead of replayed, where it can be (NOTE [Live curve]): the same answer."""
     delta = _rewrite_delta(prev, typed) if prev is not None and "_curves" in prev.cache else None
     flops = _flops(typed, prev if delta is not None else None)
-    keys = {}
+    keys, counts = {}, {}
+    olds = prev.cache["_curves"] if delta is not None else {}
     for name in typed.ctx.spec.devices:
         cuda = typed.ctx.spec.devices[name].torch.startswith("cuda")
-        keys[name] = ("live_peak", _signature(typed, name), cuda)
+        if all(olds.get(d) is not None for d in typed.ctx.spec.devices):
+            # (priced from the curves: a key per device, not the signature of its nodes, which takes a pass)
+            keys[name] = ("live_peak_of", name, cuda)
+            counts[name] = olds[name].count + _on(typed, delta.made, name) - _on(prev, delta.gone, name)
+        else:
+            keys[name] = ("live_peak", _signature(typed, name), cuda)
+            counts[name] = len(keys[name][1])
     # under a bound the device with the most nodes goes first (it is where a rewrite's effect usually is, and
     # the first device over its bound ends the replay); the answer lists the devices in their written order
-    order = sorted(keys, key=lambda d: -len(keys[d][1])) if bound is not None else list(keys)
+    order = sorted(keys, key=lambda d: -counts[d]) if bound is not None else list(keys)
     found = {}
     curves = typed.cache.setdefault("_curves", {})
     for name in order:
@@ -973,7 +987,7 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None,
             # on CUDA every block is rounded (allocator.round_size): a rewrite that saves bytes but adds a
             # tensor can still raise the rounded total
             limit = None if bound is None else bound.get(name, 0)
-            old = prev.cache.get("_curves", {}).get(name) if prev is not None else None
+            old = olds.get(name)
             priced = None
             if old is not None and delta is not None:
                 priced = _curve_price(old, delta, prev, typed, name, cuda, limit)
