@@ -334,8 +334,22 @@ def _replicas(typed: Typed) -> int:
 
 
 def _fingerprint(g: Graph) -> int:
-    return hash(tuple((n.id, n.op, n.inputs, tuple(sorted((k, repr(v)) for k, v in n.params.items())), n.device)
-                      for n in g.nodes))
+    return hash(tuple(_node_print(n) for n in g.nodes))
+
+
+_PRINTS: dict[int, tuple[Node, tuple]] = {}
+
+
+def _node_print(n: Node) -> tuple:
+    """A node's part of the graph's fingerprint, kept per node object (a rewrite keeps most of them)."""
+    hit = _PRINTS.get(id(n))
+    if hit is not None and hit[0] is n:
+        return hit[1]
+    if len(_PRINTS) > 200_000:
+        _PRINTS.clear()
+    part = (n.id, n.op, n.inputs, tuple(sorted((k, repr(v)) for k, v in n.params.items())), n.device)
+    _PRINTS[id(n)] = (n, part)
+    return part
 
 
 def _check_outputs_kept(old: Typed, new: Typed, rule: Rule) -> None:
