@@ -65,8 +65,10 @@ class ContractBroken(RuntimeError):
 # pricing]); what is left per rewrite is linear in the graph with small constants (building the new Graph,
 # incremental inference's pass over the nodes, the scan from the first node, the fingerprint, the curve's sum
 # and max), so rewriting still grows faster than the node count (exponent about 1.5 from 50 to 300 nodes).
-# benchmarks/check_scaling.py, CPU s on the shared 2-core machine: 0.3 at 100 nodes, 0.8 at 150, 1.2 to 1.4 at
-# 200, 1.9 to 2.0 at 250, 2.4 at 300, against 0.7, 1.6, 2.9, 4.6 and 6.9 with a full replay per candidate.
+# benchmarks/check_scaling.py, CPU s on the shared 2-core machine (quiet to loaded): 0.2 to 0.3 at 100 nodes,
+# 0.4 to 0.8 at 150, 0.8 to 1.4 at 200, 1.4 to 2.0 at 250, 2.0 to 2.4 at 300, against 0.4 to 0.7, 1.1 to 1.6,
+# 1.9 to 2.9, 3.1 to 4.6 and 4.6 to 6.9 with a full replay per candidate. At 300 nodes (1.6 s) incremental
+# inference takes 39% (building Refs and types for the nodes it keeps), pricing 18%, Graph.replace 17%.
 # Training graphs have 10 to 40 nodes; a graph over the bound (under 2 s with a margin for the shared machine)
 # is refused with the bound named, and checks as written (--no-rewrite: linear, ~1.6 s at the 5,000-node
 # bound). Linear rewriting needs the rest to be incremental too (a Graph updated in place of rebuilt, the scan
