@@ -11,7 +11,11 @@ f. an op registered only inside the test, declared position-wise, is pushed thro
 g. incremental re-inference after any rule's replacement gives what inference from scratch gives, and a rewrite
    that re-infers from scratch and prices every candidate every time (no rejection certificates) applies the
    same rewrites to the same result (the other properties rewrite with verify=True, which also prices every
-   certified candidate and raises if pricing would accept it).
+   certified candidate and raises if pricing would accept it);
+h. pricing candidates from each device's live curve, updated where the rewrite changed it (analysis/memory.py,
+   NOTE [Live curve]), applies the same rewrites (the same log: rules, nodes, bytes and FLOPs saved) to the same
+   result as pricing every candidate by a full replay, and verify=True (which also checks every price read off
+   the curves against a full replay: the same peaks and FLOPs, or the same rejection at the same place) passes.
 
 Examples run per property are counted (COUNTS) and printed by the last test; `pytest
 --hypothesis-show-statistics` reports the same. HYPOTHESIS_PROFILE=thorough runs 1000 examples each.
@@ -362,6 +366,23 @@ def test_g_incremental_inference_is_full_inference(case: GraphCase):
         _same_typed(new, new_full)
 
 
+@given(graphs())
+def test_h_live_curves_are_full_replays(case: GraphCase):
+    """NOTE [Live curve]: the rewrites applied when candidates are priced from the live curves are those of
+    pricing every candidate by replaying every device's whole graph, and every price read off the curves is a
+    full replay's (verify=True)."""
+    COUNTS["h_live_curves"] += 1
+    with test_ops():
+        typed = typed_of(case.text)
+        new, applied = rewrite(typed, DEFAULT_TABLES, live_peaks)
+        replayed, applied_replayed = rewrite(typed_of(case.text), DEFAULT_TABLES, live_peaks, curves=False)
+        assert applied == applied_replayed
+        assert [list(a.saved_flops.items()) for a in applied] == [list(a.saved_flops.items()) for a in applied_replayed]
+        _same_typed(new, replayed)
+        checked, applied_checked = rewrite(typed_of(case.text), DEFAULT_TABLES, live_peaks, verify=True)
+        assert applied_checked == applied
+
+
 def test_d_loop_guard_fires():
     """Two rules that undo each other (roll by k <-> roll by k - 5, equal on an axis of 5) never reach a fixpoint:
     the driver stops with RewriteLoopError instead of spinning."""
@@ -407,5 +428,5 @@ def test_z_example_counts(capsys):
         print(f"\nhypothesis profile max_examples={prof.max_examples}: examples run per property: "
               + ", ".join(f"{k}={v}" for k, v in sorted(COUNTS.items())))
     ran = [k for k in COUNTS if not k.startswith("d_loop")]
-    if len(ran) == 9:      # the whole file ran
+    if len(ran) == 10:     # the whole file ran
         assert all(COUNTS[k] >= min(prof.max_examples, 20) for k in ran), COUNTS

@@ -575,6 +575,27 @@ def test_rejection_certificates_change_no_verdict(tmp_path, n_nodes):
         assert checked == applied
 
 
+@pytest.mark.parametrize("n_nodes", [60, 150])
+def test_live_curves_change_no_verdict(tmp_path, n_nodes):
+    """NOTE [Live curve]: on the widened graphs of benchmarks/check_scaling.py, pricing candidates from the live
+    curves applies the rewrites (the same log, FLOPs in the same order) of pricing each by a full replay, and
+    verify=True (which checks every price read off the curves against a full replay) passes."""
+    from dflash_graph.analysis.memory import live_peaks
+    from dflash_graph.rewrite import engine
+    from dflash_graph.spec.loader import load_graph
+
+    path = _check_scaling().wide_graph(tmp_path, n_nodes)
+    typed = infer(*build(load_graph(str(path))))
+    new, applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks)
+    slow_new, slow_applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, curves=False)
+    assert applied == slow_applied and new.graph.same_as(slow_new.graph)
+    assert [list(a.saved_flops.items()) for a in applied] == [list(a.saved_flops.items()) for a in slow_applied]
+    assert [n.id for n in new.graph.nodes] == [n.id for n in slow_new.graph.nodes]
+    if n_nodes <= 60:
+        _, checked = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, verify=True)
+        assert checked == applied
+
+
 def _varied_chain(i: int, rnd) -> str:
     """A verifier chain with random parts left out, shifts, sources and result devices."""
     src = rnd.choice(["target.hidden", "target.hidden", f"h{max(i - 1, 0)}.out"]) if i else "target.hidden"
@@ -602,8 +623,9 @@ def _varied_chain(i: int, rnd) -> str:
 @pytest.mark.parametrize("seed", range(6))
 def test_rejection_certificates_on_varied_chains(tmp_path, request, seed):
     """Graphs/tiny.toml with random verifier chains (parts left out, chained sources, results on another device):
-    with rejection certificates, the rewrites applied are those of pricing every candidate every time, and
-    verify=True (pricing every certified candidate) passes. (A fuzz of 40 seeds found no difference.)"""
+    with rejection certificates and live curves, the rewrites applied are those of pricing every candidate every
+    time by a full replay, and verify=True (pricing every certified candidate, and checking every price read off
+    the curves against a full replay) passes. (A fuzz of 40 seeds found no difference.)"""
     import random
 
     from dflash_graph.analysis.memory import live_peaks
@@ -618,6 +640,6 @@ def test_rejection_certificates_on_varied_chains(tmp_path, request, seed):
     path.write_text(head + "".join(_varied_chain(i, rnd) for i in range(rnd.randint(6, 12))) + sep + data)
     typed = infer(*build(load_graph(str(path))))
     new, applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, verify=True)
-    slow_new, slow_applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, certificates=False)
+    slow_new, slow_applied = engine.rewrite(typed, DEFAULT_TABLES, live_peaks, certificates=False, curves=False)
     assert applied == slow_applied
     assert [n.id for n in new.graph.nodes] == [n.id for n in slow_new.graph.nodes] and new.graph.same_as(slow_new.graph)

@@ -293,6 +293,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     handles: set[Ref] = set()                          # outputs typed 'handle' (a forward's taps)
     problems: list[Problem] = []
     failed: set[str] = set()
+    reinferred: list[str] = []                         # nodes inferred again (analysis/memory: NOTE [Live curve])
     old = prev.graph if prev is not None and prev.ctx is ctx else None
     if old is not None:
         old_by_id = old._by_id
@@ -326,6 +327,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
             failed.add(nid)
             continue
         params[nid] = p
+        reinferred.append(nid)
         for name, t in outs.items():
             r = Ref(nid, name)
             types[r] = t
@@ -339,6 +341,8 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     typed = Typed(graph, ctx, types, params, node_cache=node_cache)
     typed.cache["_outputs_of"] = index
     typed.cache["_handles"] = frozenset(handles)
+    if old is not None:
+        typed.cache["_reinferred"] = frozenset(reinferred)
     return typed
 
 

@@ -391,6 +391,53 @@ def _node_actions(typed: Typed, n: Node, cost: NodeCost, outs, compress: bool, d
             acts.append((False, (n.id, key), 0, f"{n.id}/{key}"))
     return acts
 
+def _forward_node(seq, typed: Typed, n: Node, here: bool, cost: NodeCost, left: dict, saved_refs: dict,
+                  grads, compress: bool, desc, actions: dict | None = None) -> None:
+    """One node's forward in a device's allocation sequence: its program (saved-for-backward bytes, temporaries,
+    outputs; an output nobody reads is freed at once), then each input whose last reader it is (in `left`'s
+    count) is freed unless autograd saved it. The replay (_device_events, which passes `actions` to build each
+    node's allocator calls once per replay) and the live curve (NOTE [Live curve]) both run it."""
+    if here:
+        outs = typed.outputs_of(n.id)
+        if cost.saved_bytes:
+            seq.alloc(("saved", n.id), cost.saved_bytes, f"{n.id}/saved for backward")
+        acts = None if actions is None else actions.get(n.id)
+        if acts is None:    # the same for every step and iteration
+            acts = _node_actions(typed, n, cost, outs, compress, desc)
+            if actions is not None:
+                actions[n.id] = acts
+        if type(seq) is _Seq:    # _Seq.alloc / _Seq.free inlined: the bulk of a replay's events
+            ids, sizes, append, nxt = seq.ids, seq.sizes, seq.events.append, seq._next
+            for is_alloc, key, size, lab in acts:
+                if is_alloc:
+                    if size > 0:
+                        ids[key] = nxt
+                        sizes[nxt] = size
+                        append(_new_ev(_Ev, ("alloc", nxt, size, lab)))
+                        nxt += 1
+                else:
+                    tid = ids.pop(key, None)
+                    if tid is not None:
+                        append(_new_ev(_Ev, ("free", tid, sizes[tid], lab)))
+            seq._next = nxt
+        else:
+            for is_alloc, key, size, lab in acts:
+                if is_alloc:
+                    seq.alloc(key, size, lab)
+                else:
+                    seq.free(key, lab)
+        for k in outs:
+            ref = Ref(n.id, k)
+            if left.get(ref, 0) == 0 and not registry.get(n.op).traits.sink:
+                seq.free(ref, f"{n.id}/unread {k}")
+    # inputs: free after last consumer (the consumer may be on another device: a transfer's sender side)
+    for port, r in n.inputs:
+        left[r] -= 1
+        if here and n.id in grads and port in cost.saved_inputs:
+            saved_refs[r] = saved_refs.get(r, 0) + 1
+        if left[r] == 0 and r not in saved_refs:
+            seq.free(r, f"{n.id}/last use of {r}")
+
 
 def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                    seq: "_Seq | _PeakSeq | None" = None) -> tuple[list[Event], dict[str, int]]:
@@ -438,10 +485,6 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
         for _, r in n.inputs:
             consumers_left_init[r] = consumers_left_init.get(r, 0) + 1
     actions: dict[str, list] = {}
-    alloc, free = seq.alloc, seq.free
-    fast = type(seq) is _Seq
-    if fast:
-        ids, sizes, append = seq.ids, seq.sizes, seq.events.append
     for step in range(steps):
         for it in range(iters):
             left = dict(consumers_left_init)
@@ -452,44 +495,7 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                 seq.at = n.id if step == 0 else None   # where the replay is (NOTE [Rejection certificates])
                 here = n.id in on_ids
                 cost = costs.get(n.id, NodeCost())
-                if here:
-                    outs = typed.outputs_of(n.id)
-                    if cost.saved_bytes:
-                        seq.alloc(("saved", n.id), cost.saved_bytes, f"{n.id}/saved for backward")
-                    acts = actions.get(n.id)
-                    if acts is None:    # the same for every step and iteration: built once per replay
-                        acts = actions[n.id] = _node_actions(typed, n, cost, outs, compress, desc)
-                    if fast:    # _Seq.alloc / _Seq.free inlined: the bulk of a replay's events
-                        nxt = seq._next
-                        for is_alloc, key, size, lab in acts:
-                            if is_alloc:
-                                if size > 0:
-                                    ids[key] = nxt
-                                    sizes[nxt] = size
-                                    append(_new_ev(_Ev, ("alloc", nxt, size, lab)))
-                                    nxt += 1
-                            else:
-                                tid = ids.pop(key, None)
-                                if tid is not None:
-                                    append(_new_ev(_Ev, ("free", tid, sizes[tid], lab)))
-                        seq._next = nxt
-                    else:
-                        for is_alloc, key, size, lab in acts:
-                            if is_alloc:
-                                alloc(key, size, lab)
-                            else:
-                                free(key, lab)
-                    for k in outs:
-                        ref = Ref(n.id, k)
-                        if left.get(ref, 0) == 0 and not registry.get(n.op).traits.sink:
-                            seq.free(ref, f"{n.id}/unread {k}")
-                # inputs: free after last consumer (the consumer may be on another device: a transfer's sender side)
-                for port, r in n.inputs:
-                    left[r] -= 1
-                    if here and n.id in grads and port in cost.saved_inputs:
-                        saved_refs[r] = saved_refs.get(r, 0) + 1
-                    if left[r] == 0 and r not in saved_refs:
-                        seq.free(r, f"{n.id}/last use of {r}")
+                _forward_node(seq, typed, n, here, cost, left, saved_refs, grads, compress, desc, actions)
             # backward
             seq.at = None
             bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
@@ -653,40 +659,393 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
     return MemoryReport(devices, allocator, host)
 
 
-def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None) -> tuple[dict[str, int], dict[str, int]] | None:
+# NOTE [Live curve]: pricing a rewrite candidate (NOTE [Rewrite pricing]) by replaying each device's whole
+# allocation sequence costs time linear in the graph for every candidate. The sequence of one step
+# (_device_events, one step, compressed programs) is, per device: the load phase; then per iteration the
+# forward, one block per node of the graph in order (_forward_node: its program, and the frees of the inputs it
+# reads last), then a tail (the backward, the iteration's end, and after the last one the optimizer). A block
+# is summarised by (delta, rise): the live bytes it adds, and the most it rises above its start (at least 0).
+# The peak is then max(load rise, over each iteration i: base_i + max_k(P_k + rise_k), base_i + P + tail rise_i)
+# with P_k the forward's deltas before block k, P their sum and base_i the live bytes at the start of iteration
+# i. A _Curve keeps these per device, measured by the full replay (_CurveSeq; only used when every iteration's
+# forward gives each node the same block, as it does when no tensor outlives its iteration).
+# A rewrite changes the blocks of: the nodes inferred again (analysis/infer: `_reinferred`) and those it added
+# or rewired; the last reader of a tensor whose readers it changed, or whose producer it inferred again (that
+# reader frees it, with its size), before and after; and the producer of a tensor whose readers it changed (an
+# unread output is freed at once). Those blocks are computed again by _forward_node with the state they see
+# (the tensors they read and their sizes, whether they read them last, whether autograd saved them): the other
+# blocks, the load and the tails are the same, when
+#   - no node it changes, and none of those recomputed, is on autograd's path (grad_nodes, the same set before
+#     and after), captures or makes hooked layers, is a sink with outputs, is on a group (the replica count),
+#     or is a transfer with a queue; a node that uses model components leaves the device's load signature;
+#   - the graph kept its order (not resorted) and the device still hosts (or still does not) a node of its own.
+# Otherwise (and for the first graph) the device is replayed in full. The peak, and where the live bytes first
+# pass a bound (for rejection certificates), are read off the curve: the same answer as the replay, in time
+# linear in the graph with a small constant (one sum and one max over a list) instead of a replay;
+# tests/test_rewrite_properties.py checks that pricing with and without curves applies the same rewrites on
+# random graphs, and rewrite(verify=True) compares every priced candidate with a full replay.
+
+class _Curve(NamedTuple):
+    load: tuple[int, int]                   # (delta, rise) of the load phase
+    fwd: dict                               # node id -> (delta, rise) of its forward block, every iteration
+    tails: tuple[tuple[int, int], ...]      # per iteration: (delta, rise) of its backward and end
+    grads: tuple[int, ...]                  # weight-gradient bytes live at the start of each iteration
+    refsize: dict                           # Ref -> the bytes allocated for it on the device
+    direct: int                             # nodes placed on the device itself
+    owners: dict                            # model component -> how many of the device's nodes use it
+    count: int                              # nodes on the device (placed on it or on a group with it)
+
+
+class _CurveSeq(_PeakSeq):
+    """A _PeakSeq that also measures each block of the sequence (NOTE [Live curve])."""
+
+    def __init__(self, rounded: bool, limit: int | None = None):
+        super().__init__(rounded, limit)
+        self._at: str | None = ""
+        self._phase: Any = "load"
+        self._b0 = self._bmax = 0
+        self.load: tuple[int, int] | None = None
+        self.fwd: dict[str, tuple[int, int]] = {}
+        self.tails: list[tuple[int, int]] = []
+        self.same = True
+        self.refsize: dict[Ref, int] = {}
+
+    @property
+    def at(self) -> str | None:
+        return self._at
+
+    @at.setter
+    def at(self, value: str | None) -> None:
+        self._close()
+        self._at = value
+        self._phase = ("tail",) if value is None else value
+
+    def start(self, it: int) -> None:
+        self._close()
+        super().start(it)
+
+    def alloc(self, key: Any, size: int, label: str = "") -> None:
+        if size <= 0:
+            return
+        super().alloc(key, size, label)
+        if self.live > self._bmax:
+            self._bmax = self.live
+        if type(key) is Ref:
+            self.refsize[key] = self.sizes[key]
+
+    def _close(self) -> None:
+        block = (self.live - self._b0, self._bmax - self._b0)
+        ph = self._phase
+        if ph == "load":
+            self.load = block
+        elif ph == ("tail",):
+            self.tails.append(block)
+        elif ph is not None:
+            if self.it == 0:
+                self.fwd[ph] = block
+            elif self.fwd.get(ph) != block:
+                self.same = False
+        self._b0 = self._bmax = self.live
+        self._phase = None
+
+    def curve(self, typed: Typed, device: str) -> _Curve | None:
+        self._close()
+        if not self.same or self.load is None or len(self.tails) != len(self.starts):
+            return None
+        return _Curve(self.load, self.fwd, tuple(self.tails), tuple(g for _, g in self.starts), self.refsize,
+                      sum(1 for n in typed.graph.nodes if n.device == device), _device_owners(typed, device),
+                      _on(typed, typed.graph.nodes, device))
+
+
+class _BlockSeq(_PeakSeq):
+    """One node's forward block, from live 0 (NOTE [Live curve])."""
+
+    def __init__(self, rounded: bool):
+        super().__init__(rounded)
+        self.made: dict[Ref, int] = {}
+
+    def alloc(self, key: Any, size: int, label: str = "") -> None:
+        if size <= 0:
+            return
+        super().alloc(key, size, label)
+        if type(key) is Ref:
+            self.made[key] = self.sizes[key]
+
+
+class _Delta(NamedTuple):
+    gone: list                # nodes of the old graph not in the new one (as objects)
+    made: list                # nodes of the new graph not in the old one
+    dirty: frozenset          # ids of the new graph's nodes whose forward blocks change
+    comps: bool               # a changed node uses model components (check the load signature)
+
+
+def _frozen_grads(typed: Typed) -> frozenset:
+    grad_nodes(typed)
+    return typed.cache["_grad_nodes"]
+
+
+def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
+    """What the rewrite prev -> typed changes, device by device the same (NOTE [Live curve]); None where the
+    curve cannot be updated."""
+    from .launch import replicas
+
+    again = typed.cache.get("_reinferred")
+    if prev.ctx is not typed.ctx or again is None or replicas(prev) != replicas(typed):
+        return None
+    g0, g1 = prev.graph, typed.graph
+    b0, b1 = g0._by_id, g1._by_id
+    # sorting again can change the order of the nodes it kept: which node reads a tensor last, then
+    reordered = g1.resorted and [n.id for n in g0.nodes if n.id in b1] != [n.id for n in g1.nodes if n.id in b0]
+    gone = [n for n in g0.nodes if b1.get(n.id) is not n]
+    made = [n for n in g1.nodes if b0.get(n.id) is not n]
+    # autograd's path is the same when the rewrite removes none of its nodes and makes none (no seed, nothing
+    # reading it): every node it kept reads what it read, of the same kind
+    grads = _frozen_grads(prev)
+    if any(n.id in grads for n in gone) or \
+            any(grad_seed(typed, n) or any(r.node in grads for _, r in n.inputs) for n in made):
+        return None
+    if "_grad_nodes" not in typed.cache:
+        typed.cache["_grad_nodes"] = grads
+    read = set()
+    for n in gone:
+        read.update(r for _, r in n.inputs)
+    for n in made:
+        read.update(r for _, r in n.inputs)
+    # a node inferred again to the same outputs and params (a hook node always is) keeps its block
+    p0, p1 = prev.params, typed.params
+    again = {nid for nid in again if nid not in b0 or b0[nid] is not b1[nid] or p0.get(nid) != p1[nid]
+             or prev.outputs_of(nid) != typed.outputs_of(nid)}
+    for nid in again:
+        read.update(Ref(nid, k) for k in typed.outputs_of(nid))
+    dirty = again | {n.id for n in made}
+    c0, c1 = g0._consumers, g1._consumers
+    if reordered:
+        read.update(r for r, readers in c1.items() if c0.get(r, ((None, None),))[-1][0] != readers[-1][0])
+    for r in read:
+        readers0, readers1 = c0.get(r), c1.get(r)
+        if readers0:
+            dirty.add(readers0[-1][0])
+        if readers1:
+            dirty.add(readers1[-1][0])
+        if (not readers0) != (not readers1):
+            dirty.add(r.node)         # an output nobody reads now, or read now (its producer frees it at once)
+    dirty &= b1.keys()
+    h0, h1 = prev._handles(), typed._handles()
+    comps = False
+    for t, nodes, changed in ((prev, gone, True), (typed, made, True), (typed, [b1[i] for i in dirty], False)):
+        for n in nodes:
+            op = registry.get(n.op)
+            outs = t.outputs_of(n.id)
+            if n.id in grads or "taps" in outs or any(r in h0 or r in h1 for _, r in n.inputs) \
+                    or (op.traits.sink and outs):
+                return None
+            if changed and op.traits.movement and int(t.params[n.id].get("queue", 1)) > 1:
+                return None
+            if changed and n.model and op.components:
+                comps = True
+    return _Delta(gone, made, frozenset(dirty), comps)
+
+
+def _owners(typed: Typed, n: Node) -> set[str]:
+    """The model components (their owners) whose weights a node uses."""
+    op = registry.get(n.op)
+    if not (n.model and op.components):
+        return set()
+    m = typed.ctx.models[n.model]
+    return {m.component_owner(c) for c in op.components}
+
+
+def _device_owners(typed: Typed, device: str) -> dict[str, int]:
+    """How many of a device's nodes use each model component (its load: component_bytes)."""
+    from collections import Counter
+
+    out: Counter = Counter()
+    for n in typed.graph.nodes:
+        if device in typed.ctx.devices_of(n.device):
+            out.update(_owners(typed, n))
+    return dict(out)
+
+
+def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: str, cuda: bool,
+                 limit: int | None) -> tuple[int | None, Any] | None:
+    """(peak, curve) of a device after the rewrite prev -> typed, or (None, where the live bytes pass `limit`:
+    live_peaks' `_over`), from the curve before (NOTE [Live curve]); None where a full replay is needed."""
+    from itertools import accumulate
+    from operator import add
+
+    ctx = typed.ctx
+    direct = old.direct - sum(1 for n in delta.gone if n.device == device) + \
+        sum(1 for n in delta.made if n.device == device)
+    if (direct > 0) != (old.direct > 0):
+        return None
+    owners = old.owners
+    if delta.comps:        # the load is the same while the device uses the same components
+        owners = dict(owners)
+        for t, nodes, sign in ((prev, delta.gone, -1), (typed, delta.made, 1)):
+            for n in nodes:
+                if device in ctx.devices_of(n.device):
+                    for o in _owners(t, n):
+                        owners[o] = owners.get(o, 0) + sign
+        owners = {o: c for o, c in owners.items() if c}
+        if owners.keys() != old.owners.keys():
+            return None
+    g1 = typed.graph
+    c1 = g1._consumers
+    fwd = dict(old.fwd)
+    refsize = dict(old.refsize)
+    for n in delta.gone:
+        fwd.pop(n.id, None)
+        for k in prev.outputs_of(n.id):
+            refsize.pop(Ref(n.id, k), None)
+    dirty = delta.dirty
+    for nid in dirty:
+        if nid in prev.graph:
+            for k in prev.outputs_of(nid):
+                refsize.pop(Ref(nid, k), None)
+    grads = _frozen_grads(typed)
+    for n in g1.nodes:
+        if n.id not in dirty:
+            continue
+        here = device in ctx.devices_of(n.device)
+        seq = _BlockSeq(cuda)
+        left: dict[Ref, int] = {}
+        for _, r in n.inputs:
+            left[r] = left.get(r, 0) + 1
+            if r in refsize:
+                seq.sizes[r] = refsize[r]
+        saved: dict[Ref, int] = {}
+        for r in left:
+            readers = c1[r]
+            if readers[-1][0] != n.id:
+                left[r] += 1                  # a later node reads it last
+            elif any(c in grads and device in ctx.devices_of(g1[c].device)
+                     and p in _cached_cost(typed, g1[c], True).saved_inputs for c, p in readers):
+                saved[r] = 1                  # autograd keeps it for the backward
+        if here:
+            for k in typed.outputs_of(n.id):
+                left[Ref(n.id, k)] = len(c1.get(Ref(n.id, k), ()))
+            cost = _cached_cost(typed, n, False)
+        else:
+            cost = NodeCost()
+        _forward_node(seq, typed, n, here, cost, left, saved, grads, True, _no_desc)
+        fwd[n.id] = (seq.live, seq.peak)
+        refsize.update(seq.made)
+    nodes = g1.nodes
+    blocks = [fwd[n.id] for n in nodes]
+    pre = list(accumulate([b[0] for b in blocks], initial=0))
+    tops = list(map(add, pre, [b[1] for b in blocks]))
+    top = max(tops, default=0)
+    total = pre[-1]
+    peak = old.load[1]
+    base = old.load[0]
+    if limit is not None and peak > limit:
+        return None, (device, "", -1, None, None)
+    starts: list[tuple[int, int]] = []
+    for it, (tail_delta, tail_rise) in enumerate(old.tails):
+        starts.append((base, old.grads[it]))
+        if limit is not None and base + top > limit:
+            k = next(k for k, t in enumerate(tops) if base + t > limit)
+            return None, (device, nodes[k].id, it, starts[0], starts[-1])
+        if limit is not None and base + total + tail_rise > limit:
+            return None, (device, None, it, starts[0], starts[-1])
+        peak = max(peak, base + top, base + total + tail_rise)
+        base += total + tail_delta
+    return peak, _Curve(old.load, fwd, old.tails, old.grads, refsize, direct, owners,
+                        old.count + _on(typed, delta.made, device) - _on(prev, delta.gone, device))
+
+
+def _on(typed: Typed, nodes, device: str) -> int:
+    return sum(1 for n in nodes if device in typed.ctx.devices_of(n.device))
+
+
+def _flops(typed: Typed, prev: Typed | None) -> dict[str, int]:
+    """FLOPs of one step per device, in the order devices first appear; given `prev`, the graph `typed` was
+    rewritten from with the same autograd path (_rewrite_delta), as prev's less the nodes the rewrite removed or
+    inferred again plus those it made or inferred again."""
+    ctx = typed.ctx
+    grads = _frozen_grads(typed)
+    old = prev.cache.get("_flops") if prev is not None else None
+    if old is None:
+        flops: dict[str, int] = {}
+        for n in typed.graph.nodes:
+            f = _cached_cost(typed, n, n.id in grads).flops
+            for d in ctx.devices_of(n.device):
+                flops[d] = flops.get(d, 0) + f
+    else:
+        g0, g1 = prev.graph, typed.graph
+        b0, b1 = g0._by_id, g1._by_id
+        again = typed.cache["_reinferred"]
+        out = {n.id for n in g0.nodes if b1.get(n.id) is not n} | (again & b0.keys())
+        into = {n.id for n in g1.nodes if b0.get(n.id) is not n} | again
+        acc = dict(old)
+        for t, ids, sign in ((prev, out, -1), (typed, into, 1)):
+            for nid in ids:
+                n = t.graph[nid]
+                f = _cached_cost(t, n, nid in grads).flops * sign
+                for d in ctx.devices_of(n.device):
+                    acc[d] = acc.get(d, 0) + f
+        order = dict.fromkeys(d for p in dict.fromkeys(n.device for n in g1.nodes) for d in ctx.devices_of(p))
+        flops = {d: acc[d] for d in order}
+    typed.cache["_flops"] = flops
+    return dict(flops)
+
+
+def _no_desc(typed: Typed, ref: Ref) -> str:
+    return ""
+
+
+def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None,
+               prev: Typed | None = None) -> tuple[dict[str, int], dict[str, int]] | None:
     """Fast per-device (live peak bytes, FLOPs) of one step, without the allocator model: the rewrite driver's
     cost function. With `bound` (a peak per device), None as soon as one device's peak is seen to pass its
-    bound: the rewrite driver rejects that candidate without replaying the rest (NOTE [Rewrite pricing])."""
-    grads = grad_nodes(typed)
-    flops: dict[str, int] = {}
-    for n in typed.graph.nodes:
-        f = _cached_cost(typed, n, n.id in grads).flops
-        for d in typed.ctx.devices_of(n.device):
-            flops[d] = flops.get(d, 0) + f
-    keys = {}
+    bound: the rewrite driver rejects that candidate without replaying the rest (NOTE [Rewrite pricing]).
+    With `prev`, the graph `typed` was rewritten from (and priced), each device's live curve is updated where
+    the rewrite changed it instead of replayed, where it can be (NOTE [Live curve]): the same answer."""
+    delta = _rewrite_delta(prev, typed) if prev is not None and "_curves" in prev.cache else None
+    flops = _flops(typed, prev if delta is not None else None)
+    keys, counts = {}, {}
+    olds = prev.cache["_curves"] if delta is not None else {}
     for name in typed.ctx.spec.devices:
         cuda = typed.ctx.spec.devices[name].torch.startswith("cuda")
-        keys[name] = ("live_peak", _signature(typed, name), cuda)
+        if all(olds.get(d) is not None for d in typed.ctx.spec.devices):
+            # (priced from the curves: a key per device, not the signature of its nodes, which takes a pass)
+            keys[name] = ("live_peak_of", name, cuda)
+            counts[name] = olds[name].count + _on(typed, delta.made, name) - _on(prev, delta.gone, name)
+        else:
+            keys[name] = ("live_peak", _signature(typed, name), cuda)
+            counts[name] = len(keys[name][1])
     # under a bound the device with the most nodes goes first (it is where a rewrite's effect usually is, and
     # the first device over its bound ends the replay); the answer lists the devices in their written order
-    order = sorted(keys, key=lambda d: -len(keys[d][1])) if bound is not None else list(keys)
+    order = sorted(keys, key=lambda d: -counts[d]) if bound is not None else list(keys)
     found = {}
+    curves = typed.cache.setdefault("_curves", {})
     for name in order:
         key, cuda = keys[name], keys[name][2]
         if key not in typed.cache:
             # on CUDA every block is rounded (allocator.round_size): a rewrite that saves bytes but adds a
             # tensor can still raise the rounded total
             limit = None if bound is None else bound.get(name, 0)
-            seq = _PeakSeq(cuda, limit)    # = events_peak(device_events(typed, name, 1, True)[0], cuda)
-            try:
-                _device_events(typed, name, 1, True, seq)
-            except _OverLimit:
-                # the device, where its live bytes passed the bound, in which iteration, and the live and
-                # weight-gradient bytes at the start of the first iteration and of that one
-                typed.cache["_over"] = (name, seq.at, seq.it, seq.starts[0] if seq.starts else None,
-                                        seq.starts[-1] if seq.starts else None)
+            old = olds.get(name)
+            priced = None
+            if old is not None and delta is not None:
+                priced = _curve_price(old, delta, prev, typed, name, cuda, limit)
+            if priced is None:          # the full replay
+                seq = _CurveSeq(cuda, limit)    # = events_peak(device_events(typed, name, 1, True)[0], cuda)
+                try:
+                    _device_events(typed, name, 1, True, seq)
+                except _OverLimit:
+                    # the device, where its live bytes passed the bound, in which iteration, and the live and
+                    # weight-gradient bytes at the start of the first iteration and of that one
+                    typed.cache["_over"] = (name, seq.at, seq.it, seq.starts[0] if seq.starts else None,
+                                            seq.starts[-1] if seq.starts else None)
+                    return None
+                priced = (seq.peak, seq.curve(typed, name))
+            elif priced[0] is None:
+                typed.cache["_over"] = priced[1]
                 return None
-            typed.cache[key] = seq.peak
+            typed.cache[key] = priced[0]
+            typed.cache[("live_curve", key)] = priced[1]
+        curves[name] = typed.cache.get(("live_curve", key))
         found[name] = typed.cache[key]
         if bound is not None and found[name] > bound.get(name, 0):
             return None
@@ -694,6 +1053,7 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None) -> tuple[di
 
 
 live_peaks.bounded = True      # the rewrite driver may pass `bound`
+live_peaks.incremental = True  # ... and `prev` (NOTE [Live curve])
 
 
 def load_signature(typed: Typed, device: str) -> tuple:

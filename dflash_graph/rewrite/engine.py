@@ -54,34 +54,41 @@ class ContractBroken(RuntimeError):
 
 
 # NOTE [Rewrite bound]: the driver takes, at every step, the first candidate in (node order, rule order) that
-# matches and does not raise a device's peak, and prices every candidate it tries by replaying each device's
-# allocations over the whole graph (NOTE [Rewrite pricing]). Re-inference is incremental (NOTE [Incremental
-# inference]) and the scan's matches are cheap. A candidate rejected on one graph can be accepted on a later one
-# (another rewrite lowered the live bytes where it raised them), so the driver must consider it again after every
-# accepted rewrite; pricing it again each time made rewriting grow with the cube of the node count (24 CPU s at
-# 300 nodes). A rejection certificate (NOTE [Rejection certificates]) re-rejects it without pricing while the
-# rewrites since cannot have changed the verdict, so the driver prices about one candidate per rewrite applied,
-# each in time linear in the graph: rewriting grows with the square of the node count
-# (benchmarks/check_scaling.py, CPU s on the shared 2-core machine: 0.6 at 100 nodes, 1.5 at 150, 2.8 at 200,
-# 6.1 at 300, against 2.5, 8.4 and 23 at 100 to 200 before). Training graphs have 10 to 40 nodes; a graph over the bound
-# (under 2 s) is refused with the bound named, and checks as written (--no-rewrite: linear, ~1.6 s at the
-# 5,000-node bound). Linear rewriting needs pricing in time independent of the graph size (a live-byte curve
-# updated where a rewrite changes it).
-MAX_REWRITE_NODES = 150
+# matches and does not raise a device's peak. Re-inference is incremental (NOTE [Incremental inference]) and the
+# scan's matches are cheap. A candidate rejected on one graph can be accepted on a later one (another rewrite
+# lowered the live bytes where it raised them), so the driver must consider it again after every accepted
+# rewrite; pricing it again each time made rewriting grow with the cube of the node count (24 CPU s at 300
+# nodes). A rejection certificate (NOTE [Rejection certificates]) re-rejects it without pricing while the
+# rewrites since cannot have changed the verdict, so the driver prices about one candidate per rewrite applied.
+# Pricing reads each device's peak off its live curve, updated where the rewrite changed it (analysis/memory.py,
+# NOTE [Live curve]), instead of replaying each device's allocations over the whole graph (NOTE [Rewrite
+# pricing]); what is left per rewrite is linear in the graph with small constants (building the new Graph,
+# incremental inference's pass over the nodes, the scan from the first node, the fingerprint, the curve's sum
+# and max), so rewriting still grows faster than the node count (exponent about 1.5 from 50 to 300 nodes).
+# benchmarks/check_scaling.py, CPU s on the shared 2-core machine (quiet to loaded): 0.2 to 0.3 at 100 nodes,
+# 0.4 to 0.8 at 150, 0.8 to 1.4 at 200, 1.4 to 2.0 at 250, 2.0 to 2.4 at 300, against 0.4 to 0.7, 1.1 to 1.6,
+# 1.9 to 2.9, 3.1 to 4.6 and 4.6 to 6.9 with a full replay per candidate. At 300 nodes (1.6 s) incremental
+# inference takes 39% (building Refs and types for the nodes it keeps), pricing 18%, Graph.replace 17%.
+# Training graphs have 10 to 40 nodes; a graph over the bound (under 2 s with a margin for the shared machine)
+# is refused with the bound named, and checks as written (--no-rewrite: linear, ~1.6 s at the 5,000-node
+# bound). Linear rewriting needs the rest to be incremental too (a Graph updated in place of rebuilt, the scan
+# resumed where the rewrite was, the fingerprint and the curve kept in trees).
+MAX_REWRITE_NODES = 200
 
 Tables = Sequence[tuple[str, Sequence[Rule]]]
 Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed -> (peak per device, flops per device)
 
 
 def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = None,
-            verify: bool = False, certificates: bool = True) -> tuple[Typed, list[Applied]]:
+            verify: bool = False, certificates: bool = True, curves: bool = True) -> tuple[Typed, list[Applied]]:
     """Run the tables to a fixpoint (NOTE [Fixpoint over all passes]). `verify` checks every step's incremental
-    re-inference against inference from scratch and prices every certified candidate anyway;
-    `certificates=False` prices every candidate every time (the same rewrites, slower: for tests)."""
+    re-inference against inference from scratch, prices every certified candidate anyway, and checks every
+    price read off the live curves against a full replay; `certificates=False` prices every candidate every
+    time, `curves=False` prices every candidate by a full replay (the same rewrites, slower: for tests)."""
     applied: list[Applied] = []
     if len(typed.graph) > MAX_REWRITE_NODES:
         raise GraphError(Problem(f"the graph has {len(typed.graph):,} nodes, over the bound of {MAX_REWRITE_NODES} "
-                                 "for rewriting (its time grows with the square of the node count)",
+                                 "for rewriting (its time grows faster than the node count)",
                                  typed.ctx.spec.loc("nodes"),
                                  hint="check or run it as written with --no-rewrite (linear in the node count)"))
     if max_steps is None:   # a rule applies a bounded number of times per node: the guard grows with the graph
@@ -127,8 +134,13 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                         # NOTE [Rewrite pricing]: a candidate is priced by replaying each device's allocations
                         # (analysis/memory.live_peaks); with the current peaks as a bound the replay stops at the
                         # first device whose live bytes pass its peak: the verdict is the same, reached sooner
+                        # NOTE [Live curve]: given the graph it was rewritten from, pricing updates each device's
+                        # live curve where the rewrite changed it instead of replaying the whole graph
+                        kw = {"prev": typed} if curves and getattr(costs, "incremental", False) else {}
                         if not rep.always and getattr(costs, "bounded", False):
-                            priced = costs(new, bound=peaks)     # None: some device's peak rises
+                            priced = costs(new, bound=peaks, **kw)     # None: some device's peak rises
+                            if verify and kw:
+                                _check_pricing(new, costs, priced, peaks)
                             if priced is None:
                                 cert = _certificate(typed, new, rep, peaks) if certificates else None
                                 if cert is not None:
@@ -136,7 +148,9 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                                 rejected.add(key)
                                 continue
                         else:
-                            priced = costs(new)
+                            priced = costs(new, **kw)
+                            if verify and kw:
+                                _check_pricing(new, costs, priced, None)
                         new_peaks, new_flops = priced
                         if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
                             rejected.add(key)
@@ -290,6 +304,19 @@ def _still_certain(certs: dict, old: Typed, new: Typed) -> dict:
     return {k: c for k, c in certs.items() if valid(c)}
 
 
+def _check_pricing(new: Typed, costs: Costs, priced, bound) -> None:
+    """A price read off the live curves (NOTE [Live curve]) is a full replay's: the same peaks, or the same
+    rejection at the same place."""
+    fresh = infer(new.graph, new.ctx)
+    full = costs(fresh, bound=bound) if bound is not None else costs(fresh)
+    def items(p):
+        return p if p is None else (list(p[0].items()), list(p[1].items()))
+
+    if items(full) != items(priced) or (priced is None and fresh.cache.get("_over") != new.cache.get("_over")):
+        raise ContractBroken(f"pricing from the live curves differs from a full replay: {priced} != {full} "
+                             f"({new.cache.get('_over')} != {fresh.cache.get('_over')})")
+
+
 def _check_incremental(typed: Typed) -> None:
     """Incremental re-inference (NOTE [Incremental inference]) gives what inferring from scratch gives: the same
     types and params, in the same order."""
@@ -313,8 +340,22 @@ def _replicas(typed: Typed) -> int:
 
 
 def _fingerprint(g: Graph) -> int:
-    return hash(tuple((n.id, n.op, n.inputs, tuple(sorted((k, repr(v)) for k, v in n.params.items())), n.device)
-                      for n in g.nodes))
+    return hash(tuple(_node_print(n) for n in g.nodes))
+
+
+_PRINTS: dict[int, tuple[Node, tuple]] = {}
+
+
+def _node_print(n: Node) -> tuple:
+    """A node's part of the graph's fingerprint, kept per node object (a rewrite keeps most of them)."""
+    hit = _PRINTS.get(id(n))
+    if hit is not None and hit[0] is n:
+        return hit[1]
+    if len(_PRINTS) > 200_000:
+        _PRINTS.clear()
+    part = (n.id, n.op, n.inputs, tuple(sorted((k, repr(v)) for k, v in n.params.items())), n.device)
+    _PRINTS[id(n)] = (n, part)
+    return part
 
 
 def _check_outputs_kept(old: Typed, new: Typed, rule: Rule) -> None:
