@@ -38,8 +38,14 @@ def free_port() -> int:
 @contextmanager
 def launched(torchrun_args, run_args):
     """Start `torchrun ... -m dflash_graph run ...` in a new session; always kill the session at the end."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "dflash_graph", "run", *run_args,
-           "--no-progress"]
+    with session([sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "dflash_graph", "run",
+                  *run_args, "--no-progress"]) as p:
+        yield p
+
+
+@contextmanager
+def session(cmd):
+    """Start `cmd` in a new session; always kill the session at the end, pass or fail."""
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
@@ -182,16 +188,8 @@ def test_nonfinite_steps_in_a_row_stop_every_rank_with_the_writers_cause(in_repo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
            str(ROOT / "tests" / "test_run_failures.py"), "3,4,5", "graphs/tiny.toml", "--steps", "8", "--out", str(out),
            "--no-progress", "--set", "train.checkpoint_every=2"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
+    with session(cmd) as p:
         text, _ = p.communicate(timeout=240)
-    finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
     assert p.returncode != 0
     writer = [ln for ln in text.splitlines() if ln.startswith("dflash-graph: rank 2 (draft): ")]
     assert len(writer) == 1 and "steps 3-5: the loss or gradient norm was not finite" in writer[0], text
