@@ -165,6 +165,34 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(in_repo, 
     assert [r["step"] for r in strict_records(out)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_full_disk_at_the_export_keeps_the_trained_run(in_repo, tmp_path, monkeypatch, capsys):
+    """Training finished and is in the checkpoint; the export at the end fails: exit 2 naming what is kept and the
+    command that writes the export again from the checkpoint, which then works."""
+    out = tmp_path / "run"
+    orig = checkpoint.save_tensors
+
+    def save_tensors(tensors, path, metadata):
+        if path.name == "model.safetensors":     # the export's file; the checkpoints' are <drafter>.safetensors
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        orig(tensors, path, metadata)
+
+    monkeypatch.setattr(checkpoint, "save_tensors", save_tensors)
+    code = run(out, 2, "train.checkpoint_every=1")
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and "internal error" not in err
+    export = out / "export"
+    assert f"{export / 'model.safetensors'}: error: cannot write the drafter's export: No space left on device " \
+           "(ENOSPC)" in err, err
+    assert "saved: training is complete, the checkpoint of step 2 is complete on disk" in err
+    assert "metrics.jsonl holds steps 1-2" in err and f"lost: only the export in {export}" in err
+    assert f"dflash-graph export {out} --out {export}" in err
+    print("\n" + err.strip())
+    monkeypatch.undo()
+    assert main(["export", str(out), "--out", str(export)]) == 0     # the hint's command
+    assert (export / "model.safetensors").is_file() and (export / "config.json").is_file()
+
+
 def test_a_full_disk_while_writing_metrics_leaves_whole_lines(in_repo, tmp_path, monkeypatch, capsys):
     from dflash_graph.train import trainer
 

@@ -157,6 +157,11 @@ def cmd_run(args) -> int:
     if code == 0 and trainer.is_writer:
         from ..train.export import export_trainer
 
-        hf = export_trainer(trainer, out / "export")
+        try:
+            hf = export_trainer(trainer, out / "export")
+        except OSError as e:   # a full disk or an unwritable directory at the very end: training is kept (exit 2)
+            from ..errors import GraphError
+
+            raise GraphError(trainer.export_problem(e, out / "export")) from None
         print(f"  export (DFlash draft format, bf16; SGLang --speculative-draft-model-path): {hf}")
     return code

@@ -127,7 +127,7 @@ def nonfinite_tensors(drafters: dict[str, torch.nn.Module], masters=()) -> list[
     return bad
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """safetensors' save_file; its I/O failures (its own exception type) as the OSError they are."""
     try:
         save_file(tensors, str(path), metadata=metadata)
@@ -178,7 +178,7 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
 def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state, generator, extra, masters) -> None:
     files = []
     for name, m in drafters.items():
-        _save_tensors({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, tmp / f"{name}.safetensors",
+        save_tensors({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, tmp / f"{name}.safetensors",
                       {"step": str(step), "format": "dflash-graph drafter"})
         files.append(f"{name}.safetensors")
     _reached("weights-written", step)

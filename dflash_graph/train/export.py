@@ -86,16 +86,16 @@ def export(drafter, dims, norm_weight: torch.Tensor, target_config, out: Path, d
     """Write `out/config.json` and `out/model.safetensors` for a trained `drafter` (DFlashDrafter) whose final
     norm is the target's (`norm_weight`, a (1 + w) norm); `target_config` gives num_hidden_layers and
     max_position_embeddings."""
-    from safetensors.torch import save_file
-
     d = dims
     if d.target_hidden_size != d.hidden_size:
         raise GraphError(Problem("the DFlash format needs the drafter's hidden_size equal to the target's",
                                  Location(None, None, f"models.{drafter_name}.config"),
                                  expected=f"hidden_size = {d.target_hidden_size}", actual=str(d.hidden_size)))
+    from .checkpoint import save_tensors   # safetensors' I/O failures as the OSError they are
+
     out.mkdir(parents=True, exist_ok=True)
     sd = state_dict(drafter, norm_weight, DTYPES[dtype])
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(sd, out / "model.safetensors", {"format": "pt"})
     get = target_config.get if isinstance(target_config, dict) else lambda k, dflt=None: getattr(target_config, k, dflt)
     cfg = config(d, int(get("num_hidden_layers")), dtype, int(get("max_position_embeddings", 32768) or 32768))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -22,7 +22,8 @@ wait with that cause (exit 4) instead of waiting on a peer that is gone.
 NOTE [Write failures]: an OSError while writing metrics.jsonl, a checkpoint or memory.json (a full disk, a
 directory made unwritable) stops the run with exit 2 and a message that names the path, the error, the newest
 complete checkpoint on disk, the steps metrics.jsonl holds, and a fix; a failed checkpoint leaves the previous
-ones intact (checkpoint.save), a failed metrics line is cut off again so the file stays one record per line."""
+ones intact (checkpoint.save), a failed metrics line is cut off again so the file stays one record per line. A failed export at the end of
+a finished run (cli/run.py, export_problem) is exit 2 too, with the command that writes it again from the checkpoint."""
 
 from __future__ import annotations
 
@@ -615,6 +616,27 @@ class Trainer:
             fix = f"check the filesystem of {out}, {again}"
         return Problem(f"cannot write {e.what}: {why}", _location(path),
                        context=f"saved: {kept}; {metrics}\n  lost: {lost}", hint=fix)
+
+    def export_problem(self, err: OSError, export_dir: Path) -> Problem:
+        """The export at the end of a finished run failed: training is complete and in the checkpoint; only the
+        export is missing, and `dflash-graph export` writes it again from the checkpoint."""
+        out = self.opts.out
+        code = errno.errorcode.get(err.errno or 0)
+        why = f"{err.strerror or err}" + (f" ({code})" if code else "")
+        saved = checkpoint.newest_complete(out) if out.is_dir() else None
+        kept = (f"the checkpoint of step {saved[0]} is complete on disk ({saved[1]})" if saved else
+                "no checkpoint is complete on disk")
+        again = f"then write the export from the checkpoint: dflash-graph export {out} --out {export_dir}"
+        if err.errno in _FULL:
+            fix = f"free space on the filesystem of {export_dir} (df -h {out}), {again}"
+        elif err.errno in _DENIED:
+            fix = f"make {export_dir} writable by this user, {again}"
+        else:
+            fix = f"check the filesystem of {export_dir}, {again}"
+        path = Path(err.filename) if getattr(err, "filename", None) else export_dir
+        return Problem(f"cannot write the drafter's export: {why}", _location(path),
+                       context=f"saved: training is complete, {kept}; {_metrics_on_disk(out / 'metrics.jsonl')}\n"
+                               f"  lost: only the export in {export_dir}", hint=fix)
 
     def fail(self, problem: Problem, how: str = "stopped the run"):
         """Stop the run with exit 2 and `problem`. Under torchrun the cause goes to the rendezvous store first, so
