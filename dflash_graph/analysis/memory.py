@@ -94,7 +94,7 @@ class HostMemory:
     peaks are added up (a safe bound: the devices' schedules are not aligned in time, so the peak of the sum is not
     known, and it is at most the sum of the peaks)."""
     devices: tuple[str, ...]
-    need_bytes: int              # the sum of the CPU devices' allocated peaks
+    need_bytes: int              # the sum of the CPU devices' peaks (reserved; on a CPU what they allocate)
     available_bytes: int | None  # None: neither declared nor readable on this host
     source: str                  # where available_bytes comes from: "declared", "MemAvailable", "sysconf", "unknown"
 
@@ -166,12 +166,7 @@ def grad_nodes(typed: Typed) -> set[str]:
 def _grad_nodes(typed: Typed) -> set[str]:
     out: set[str] = set()
     for n in typed.graph.nodes:
-        op = registry.get(n.op)
-        seed = False
-        if n.model and op.components:
-            m = typed.ctx.models[n.model]
-            seed = m.spec.trainable and any(m.component_owner(c).split(".")[0] == n.model for c in op.components)
-        if seed or any(r.node in out for _, r in n.inputs):
+        if grad_seed(typed, n) or any(r.node in out for _, r in n.inputs):
             out.add(n.id)
     return out
 
@@ -1063,18 +1058,11 @@ def load_signature(typed: Typed, device: str) -> tuple:
     accumulation. How often a step runs the device's nodes (the replica count, and whether a node is placed on
     it directly) is the rewrite driver's to check. Its rejection certificates (rewrite/engine.py) hold while the
     signature is unchanged."""
-    from collections import Counter
-
     key = ("_load_signature", device)
     if key not in typed.cache:
         g, ctx = typed.graph, typed.ctx
         on = [n for n in g.nodes if device in ctx.devices_of(n.device)]
-        comps: Counter = Counter()
-        for n in on:
-            op = registry.get(n.op)
-            if n.model and op.components:
-                m = ctx.models[n.model]
-                comps.update({m.component_owner(c) for c in op.components})
+        comps = _device_owners(typed, device)
         queues = tuple((n.id, int(typed.params[n.id].get("queue", 1)), typed.types[Ref(n.id, "out")].nbytes)
                        for n in on if registry.get(n.op).traits.movement and int(typed.params[n.id].get("queue", 1)) > 1)
         typed.cache[key] = (tuple(sorted(comps.items())), queues, int(ctx.spec.train.get("grad_accum", 1) or 1))
