@@ -228,7 +228,7 @@ def test_an_unwritable_run_directory_is_a_located_error(in_repo, tmp_path, monke
     elif target == "run.json":
         from dflash_graph.train import rundir
 
-        monkeypatch.setattr(rundir, "_write", lambda path, obj: (_ for _ in ()).throw(
+        monkeypatch.setattr(rundir, "write_json", lambda path, obj: (_ for _ in ()).throw(
             OSError(errno.EACCES, os.strerror(errno.EACCES), str(path))))
     else:
         orig = Path.write_text

@@ -106,12 +106,12 @@ def record(out: Path, spec, argv: Sequence[str], overrides: Sequence[str], resum
             run = None
         if isinstance(run, dict):
             run.setdefault("resumes", []).append({**entry, "resolved": _jsonable(spec.resolved)})
-            _write(path, run)
+            write_json(path, run)
             return
-    _write(path, {**entry, "resolved": _jsonable(spec.resolved)})
+    write_json(path, {**entry, "resolved": _jsonable(spec.resolved)})
 
 
-def _write(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     """Write a JSON file through a temporary and a rename: a full disk leaves the previous file whole, and no
     temporary behind."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

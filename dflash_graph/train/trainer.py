@@ -52,10 +52,10 @@ from ..exec.interpreter import Interpreter
 from ..exec.models import ModelStore
 from ..ops import registry
 from ..rewrite.pipeline import Plan
-from ..units import fmt_bytes
 from . import checkpoint
 from .data import PackedData, load_data
 from .metrics import acceptance, json_line
+from .rundir import write_json
 
 
 @attrs.define
@@ -177,6 +177,29 @@ def _metrics_on_disk(path: Path) -> str:
 
 def _location(path: Path) -> Location:
     return Location(str(path))
+
+
+def _why(err: OSError) -> str:
+    code = errno.errorcode.get(err.errno or 0)
+    return f"{err.strerror or err}" + (f" ({code})" if code else "")
+
+
+def _complete(saved: tuple[int, Path] | None) -> str:
+    return f"the checkpoint of step {saved[0]} is complete on disk ({saved[1]})" if saved else \
+        "no checkpoint is complete on disk"
+
+
+def _last_good(saved: tuple[int, Path] | None, none: str) -> str:
+    return f"the last good checkpoint is intact: {saved[1]} (step {saved[0]})" if saved else none
+
+
+def _fix(err: OSError, where: Path, writable: Path, again: str, full: str) -> str:
+    """The fix to try for a failed write: room on a full disk, rights on a refused path, else a look at it."""
+    if err.errno in _FULL:
+        return f"{full}, {again}"
+    if err.errno in _DENIED:
+        return f"make {writable} writable by this user (or move {where} to a writable place), {again}"
+    return f"check the filesystem of {where}, {again}"
 
 
 def _what_nonfinite(reason: str, loss: float, gnorm: float, short: bool = False) -> str:
@@ -575,8 +598,8 @@ class Trainer:
         steps = [s for s, *_ in self._bad_steps]
         what = ", ".join(f"step {s}: {_what_nonfinite(r, lo, g, short=True)}" for s, r, lo, g in self._bad_steps[-3:])
         saved = checkpoint.newest_complete(out)
-        kept = (f"the last good checkpoint is intact: {saved[1]} (step {saved[0]})" if saved else
-                f"no checkpoint was saved before (train.checkpoint_every = {int(self.cfg['checkpoint_every'])})")
+        kept = _last_good(saved, f"no checkpoint was saved before (train.checkpoint_every = "
+                                 f"{int(self.cfg['checkpoint_every'])})")
         then = f"then continue with --resume {out} --allow-change train.lr" if saved else "then run again"
         raise RunFailed(Problem(
             f"{_steps(steps[0], steps[-1])}: the loss or gradient norm was not finite in {n} steps in a row "
@@ -597,46 +620,29 @@ class Trainer:
         out, err = self.opts.out, e.err
         # the file the OS refused (inside a checkpoint's temporary), else the file being written
         path = Path(err.filename) if e.path.is_dir() and getattr(err, "filename", None) else e.path
-        code = errno.errorcode.get(err.errno or 0)
-        why = f"{err.strerror or err}" + (f" ({code})" if code else "")
         saved = checkpoint.newest_complete(out) if out.is_dir() else None
-        kept = (f"the checkpoint of step {saved[0]} is complete on disk ({saved[1]})" if saved else
-                "no checkpoint is complete on disk")
-        metrics = _metrics_on_disk(out / "metrics.jsonl")
         last = saved[0] if saved else 0
         lost = (f"{_steps(last + 1, e.step)} trained but in no checkpoint" if e.step > last else
                 "nothing (every trained step is in the checkpoint)" if saved else "nothing (no step was trained)")
         again = f"then continue with --resume {out}" if saved else "then run again"
-        if err.errno in _FULL:
-            fix = f"free space on the filesystem of {out} (df -h {out}) or lower train.keep_checkpoints, {again}"
-        elif err.errno in _DENIED:
-            fix = f"make {e.path if e.path.is_dir() else e.path.parent} writable by this user (or move {out} to a " \
-                  f"writable place), {again}"
-        else:
-            fix = f"check the filesystem of {out}, {again}"
-        return Problem(f"cannot write {e.what}: {why}", _location(path),
-                       context=f"saved: {kept}; {metrics}\n  lost: {lost}", hint=fix)
+        fix = _fix(err, out, e.path if e.path.is_dir() else e.path.parent, again,
+                   full=f"free space on the filesystem of {out} (df -h {out}) or lower train.keep_checkpoints")
+        return Problem(f"cannot write {e.what}: {_why(err)}", _location(path),
+                       context=f"saved: {_complete(saved)}; {_metrics_on_disk(out / 'metrics.jsonl')}\n  lost: {lost}",
+                       hint=fix)
 
     def export_problem(self, err: OSError, export_dir: Path) -> Problem:
         """The export at the end of a finished run failed: training is complete and in the checkpoint; only the
         export is missing, and `dflash-graph export` writes it again from the checkpoint."""
         out = self.opts.out
-        code = errno.errorcode.get(err.errno or 0)
-        why = f"{err.strerror or err}" + (f" ({code})" if code else "")
         saved = checkpoint.newest_complete(out) if out.is_dir() else None
-        kept = (f"the checkpoint of step {saved[0]} is complete on disk ({saved[1]})" if saved else
-                "no checkpoint is complete on disk")
         again = f"then write the export from the checkpoint: dflash-graph export {out} --out {export_dir}"
-        if err.errno in _FULL:
-            fix = f"free space on the filesystem of {export_dir} (df -h {out}), {again}"
-        elif err.errno in _DENIED:
-            fix = f"make {export_dir} writable by this user, {again}"
-        else:
-            fix = f"check the filesystem of {export_dir}, {again}"
+        fix = _fix(err, export_dir, export_dir, again, full=f"free space on the filesystem of {export_dir} (df -h {out})")
         path = Path(err.filename) if getattr(err, "filename", None) else export_dir
-        return Problem(f"cannot write the drafter's export: {why}", _location(path),
-                       context=f"saved: training is complete, {kept}; {_metrics_on_disk(out / 'metrics.jsonl')}\n"
-                               f"  lost: only the export in {export_dir}", hint=fix)
+        return Problem(f"cannot write the drafter's export: {_why(err)}", _location(path),
+                       context=f"saved: training is complete, {_complete(saved)}; "
+                               f"{_metrics_on_disk(out / 'metrics.jsonl')}\n  lost: only the export in {export_dir}",
+                       hint=fix)
 
     def fail(self, problem: Problem, how: str = "stopped the run"):
         """Stop the run with exit 2 and `problem`. Under torchrun the cause goes to the rendezvous store first, so
@@ -696,7 +702,7 @@ class Trainer:
                             keep=int(self.cfg.get("keep_checkpoints") or 3))
         except checkpoint.NonFiniteWeights as e:
             saved = checkpoint.newest_complete(out)
-            kept = f"the last good checkpoint is intact: {saved[1]} (step {saved[0]})" if saved else "no checkpoint was saved before"
+            kept = _last_good(saved, "no checkpoint was saved before")
             raise RunFailed(Problem(f"{e}; {kept}", _location(out / "checkpoints"),
                                     hint=f"lower train.lr (now {float(self.cfg['lr']):g}), check the loss node's params "
                                          "(gamma) and the data")) from None
@@ -786,11 +792,8 @@ class Trainer:
                                "devices": {d: devices[d] for d in self.plan.memory.devices if d in devices},
                                "nodes": nodes}
         path = self.opts.out / "memory.json"
-        tmp = path.with_name(f".memory.json.tmp{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(out, indent=2))
-            os.replace(tmp, path)
+            write_json(path, out)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise WriteFailed("memory.json", path, e, self._step_now + 1) from None
         return out["devices"]
