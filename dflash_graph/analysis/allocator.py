@@ -38,6 +38,8 @@ Simplified: see ``docs/allocator.md`` ("Simplifications").
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections.abc import Callable, Sequence as SequenceABC
 from typing import Literal, Sequence
 
 import attrs
@@ -56,6 +58,9 @@ __all__ = [
     "CachingAllocatorSim",
     "AllocatorOutOfMemory",
     "simulate",
+    "Repeat",
+    "Folded",
+    "expand_events",
     "min_fitting_capacity",
     "round_size",
     "pool_of",
@@ -929,8 +934,90 @@ class CachingAllocatorSim:
 # --------------------------------------------------------------------------
 
 
+@attrs.frozen(eq=False)
+class Repeat:
+    """A marker in an event list (NOTE [Folded replay]): the `length` events just before it (one repetition, none
+    of them a marker) happen `times` more times. Each repetition allocates `stride` tensors, ids from `lo` on in
+    the first, and may free the repetition before's: in the k-th more (k = 1..times) a tensor id t >= lo - stride
+    is t + k * stride. `label(k, i)` is the label of its i-th event."""
+
+    length: int
+    times: int
+    stride: int
+    lo: int
+    label: Callable[[int, int], str] = attrs.field(repr=False)
+
+
+def expand_events(events: Sequence) -> list:
+    """An event list with its Repeat markers written out: every event, as a literal replay sees it."""
+    out: list = []
+    for ev in events:
+        if type(ev) is not Repeat:
+            out.append(ev)
+            continue
+        base = out[len(out) - ev.length:]
+        cut = ev.lo - ev.stride
+        for k in range(1, ev.times + 1):
+            shift = k * ev.stride
+            for i, e in enumerate(base):
+                out.append(type(e)(e.op, e.tensor + shift if e.tensor >= cut else e.tensor, e.size, ev.label(k, i)))
+    return out
+
+
+class Folded(SequenceABC):
+    """A sequence kept as runs (items, times): `items` `times` times in a row, without writing them out (the
+    timeline of a folded replay, NOTE [Folded replay])."""
+
+    def __init__(self, runs: Sequence[tuple[Sequence, int]]):
+        self.runs = [(tuple(items), times) for items, times in runs if items and times > 0]
+        self._ends = list(itertools.accumulate(len(items) * times for items, times in self.runs))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __iter__(self):
+        for items, times in self.runs:
+            for _ in range(times):
+                yield from items
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        r = bisect.bisect_right(self._ends, i)
+        items, _ = self.runs[r]
+        return items[(i - (self._ends[r - 1] if r else 0)) % len(items)]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SequenceABC) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"Folded({len(self)} items in {len(self.runs)} runs)"
+
+
+# NOTE [Folded replay]: a deep model's forward repeats its layers (ops/costs.py, NOTE [Layer folding]), and the
+# event list carries each stretch of identical layers as one repetition and a Repeat marker. simulate replays the
+# repetitions one by one and, after each, takes the allocator's state where that repetition touched it: every
+# block of the segments it allocated from or freed into (address, size, allocated, mapped, and whose tensor,
+# counted from the repetition's first id), and the counters (allocated, reserved, cudaMalloc and cudaFree calls,
+# retries, the next segment address, the live rounded bytes). When two repetitions in a row touched the same
+# segments and left the same state, the state after the second is the state after the first: the segments
+# neither touched are as they were, and the ones both touched are the same. The allocator is deterministic and
+# reads nothing else (garbage collection reads block ages, so a replay with a garbage_collection_threshold is
+# never folded), and the next repetition's events are the last one's with ids shifted, so it does exactly what
+# the last did, and so does every one after it: the same blocks, the same (allocated, reserved) after each event,
+# no new peak, no OOM. The rest are skipped: the timeline keeps the last repetition's entries as a run, and the
+# tensors alive move to the last repetition's ids. Without a repeat within MAX_FOLD_TRIES repetitions the rest
+# is replayed one by one: the same answer, slower. tests/test_layer_folding.py checks folded against expanded
+# replays on random repeated event lists and on deep graphs; tests/test_memory_digest.py pins every figure.
+MAX_FOLD_TRIES = 8
+
+
 def simulate(
-    events: Sequence[Event],
+    events: Sequence,
     capacity_bytes: int | None,
     config: AllocatorConfig = AllocatorConfig(),
 ) -> SimResult:
@@ -944,6 +1031,10 @@ def simulate(
     step dies). The failing event gets a timeline entry with the state after
     the allocator's release-and-retry, so ``len(timeline) == oom.index + 1``.
 
+    ``events`` may hold Repeat markers (NOTE [Folded replay]): indices (peaks,
+    the OOM) and the timeline count every event they stand for, and the
+    timeline is then a Folded sequence.
+
     Raises ValueError for malformed traces (double alloc of a live tensor id,
     free of an unknown id, negative size, a free whose nonzero size disagrees
     with the allocation).
@@ -951,19 +1042,18 @@ def simulate(
     sim = CachingAllocatorSim(capacity_bytes, config)
     divisions = config.roundup_power2_divisions
     live: dict[int, tuple[_Block | None, int, int]] = {}     # tensor -> block, size, rounded size
-    live_rounded = 0
-    live_rounded_peak = 0
-    live_rounded_peak_index = -1
+    owner: dict[int, int] = {}                               # id(block) -> tensor
+    peak = [0, 0, -1]           # live rounded bytes, their peak, its index
     timeline: list[tuple[int, int]] = []
+    runs: list[tuple[Sequence, int]] = []                    # folded parts of the timeline
     append = timeline.append
     malloc, free = sim.malloc, sim.free
     rounded: dict[int, int] = {}    # round_size by request size: a replay repeats a few hundred sizes
-    oom: OomReport | None = None
-    for i, ev in enumerate(events):
+    touched: dict[int, _Block] | None = None                # id(segment) -> a live block of it, while folding
+
+    def apply(i: int, op: str, tensor: int, size: int, label: str) -> OomReport | None:
         sim.step = i
-        op = ev.op
         if op == "alloc":
-            tensor, size = ev.tensor, ev.size
             if tensor in live:
                 raise ValueError(f"event {i}: tensor {tensor} allocated twice without a free")
             if size < 0:
@@ -974,43 +1064,116 @@ def simulate(
                 live[tensor] = (None, 0, 0)
             else:
                 try:
-                    blk = malloc(size, ev.label, tensor)
+                    blk = malloc(size, label, tensor)
                 except AllocatorOutOfMemory as e:
-                    oom = attrs.evolve(e.report, live_rounded_bytes=live_rounded)
                     append((sim.allocated, sim.reserved))
-                    break
+                    return attrs.evolve(e.report, live_rounded_bytes=peak[0])
                 r = rounded.get(size)
                 if r is None:
                     r = rounded[size] = round_size(size, divisions)
                 live[tensor] = (blk, size, r)
-                live_rounded += r
-                if live_rounded > live_rounded_peak:
-                    live_rounded_peak = live_rounded
-                    live_rounded_peak_index = i
+                owner[id(blk)] = tensor
+                if touched is not None:
+                    touched[id(blk.seg)] = blk
+                peak[0] += r
+                if peak[0] > peak[1]:
+                    peak[1] = peak[0]
+                    peak[2] = i
         elif op == "free":
-            tensor = ev.tensor
             if tensor not in live:
                 raise ValueError(f"event {i}: free of unknown tensor {tensor}")
-            blk, size, r = live.pop(tensor)
-            if ev.size != 0 and ev.size != size:
-                raise ValueError(f"event {i}: free size {ev.size} != allocated size {size} for tensor {tensor}")
+            blk, have, r = live.pop(tensor)
+            if size != 0 and size != have:
+                raise ValueError(f"event {i}: free size {size} != allocated size {have} for tensor {tensor}")
             if blk is not None:
+                del owner[id(blk)]
                 free(blk)
-                live_rounded -= r
+                if touched is not None:
+                    touched[id(blk.seg)] = blk     # (free merges its free neighbours into blk: blk lives on)
+                peak[0] -= r
         elif op == "empty_cache":
             sim.empty_cache()
         else:
             raise ValueError(f"event {i}: unknown op {op!r}")
         append((sim.allocated, sim.reserved))
+        return None
+
+    def state(base: int, cut: int) -> tuple | None:
+        """The allocator's state where the last repetition touched it (NOTE [Folded replay]); None when a block
+        is not where its neighbours say (then nothing is folded)."""
+        segs = []
+        for blk in touched.values():
+            head = blk
+            while head.prev is not None:
+                head = head.prev
+            row = [head.seg.base]
+            b: _Block | None = head
+            while b is not None:
+                if b.next is not None and b.next.prev is not b:
+                    return None
+                t = owner.get(id(b)) if b.allocated else None
+                row.append((b.addr, b.size, b.allocated, b.mapped,
+                            None if t is None else (0, t - base) if t >= cut else (1, t)))
+                b = b.next
+            segs.append(tuple(row))
+        segs.sort()
+        return (sim.allocated, sim.reserved, sim.num_device_alloc, sim.num_device_free, sim.num_alloc_retries,
+                sim._next_addr, peak[0], tuple(segs))
+
+    oom: OomReport | None = None
+    x = 0                       # the index of the next event, counting every event a marker stands for
+    for j, ev in enumerate(events):
+        if type(ev) is not Repeat:
+            oom = apply(x, ev.op, ev.tensor, ev.size, ev.label)
+            x += 1
+            if oom is not None:
+                break
+            continue
+        base = events[j - ev.length:j]
+        cut = ev.lo - ev.stride
+        before = None
+        k = 1
+        while k <= ev.times:
+            shift = k * ev.stride
+            touched = {} if not sim._gc and k <= MAX_FOLD_TRIES else None
+            first = len(timeline)
+            for i, e in enumerate(base):
+                oom = apply(x, e.op, e.tensor + shift if e.tensor >= cut else e.tensor, e.size, "")
+                x += 1
+                if oom is not None:
+                    oom = attrs.evolve(oom, label=ev.label(k, i))
+                    break
+            if oom is not None:
+                break
+            now = state(ev.lo + shift, cut + shift) if touched is not None else None
+            touched = None
+            if now is not None and now == before and k < ev.times:
+                skip = ev.times - k      # every later repetition does what this one did
+                runs.append((timeline[:first], 1))
+                runs.append((timeline[first:], skip + 1))
+                timeline.clear()
+                moved = {}
+                for t in [t for t in live if t >= cut + shift]:
+                    moved[t + skip * ev.stride] = live.pop(t)
+                for t, entry in moved.items():
+                    live[t] = entry
+                    if entry[0] is not None:
+                        owner[id(entry[0])] = t
+                x += skip * ev.length
+                break
+            before = now
+            k += 1
+        if oom is not None:
+            break
     return SimResult(
         allocated_peak=sim.allocated_peak,
         reserved_peak=sim.reserved_peak,
         allocated_peak_index=sim.allocated_peak_index,
         reserved_peak_index=sim.reserved_peak_index,
         oom=oom,
-        timeline=tuple(timeline),
-        live_rounded_peak=live_rounded_peak,
-        live_rounded_peak_index=live_rounded_peak_index,
+        timeline=Folded(runs + [(timeline, 1)]) if runs else tuple(timeline),
+        live_rounded_peak=peak[1],
+        live_rounded_peak_index=peak[2],
         final_allocated=sim.allocated,
         final_reserved=sim.reserved,
         num_alloc_retries=sim.num_alloc_retries,

@@ -93,19 +93,54 @@ class Typed:
 
 # -- building ------------------------------------------------------------------------------------------------
 
-# NOTE [Layer bound]: the memory model replays a forward layer by layer (analysis/memory.py), so check time grows
-# with the layer count: 64 layers cost about what 2 do, 1,000 cost seconds. The largest released models have
-# 61 (DeepSeek-V3) to 126 (Llama 3.1 405B) layers; 512 is four times that, and a larger count is refused with
-# this bound named rather than left to run for minutes (10**12 layers never finished). The cost is per allocation
-# event (building the events, the allocator model, the timeline and labels), none of it a single hot spot; where
-# it goes, and why identical layers are not yet replayed in closed form (which would lift this bound):
-# benchmarks/README.md, check_scaling.py.
-MAX_LAYERS = 512
+# NOTE [Layer bound]: a body forward's layers are folded (ops/costs.py, NOTE [Layer folding]; analysis/allocator.py,
+# NOTE [Folded replay]): check replays a stretch of identical layers in time that does not grow with its length.
+# What still grows with the layer count is per layer and cheap: loading the weights (one block per layer, as
+# the allocator sees them) and the per-layer tables of the arch. benchmarks/check_scaling.py, graphs/qwen27b.toml
+# widened: 64 layers 0.6 CPU s in compile_graph, 10,000 layers 0.9 s, 16,384 about 1.1 s. So a model may have
+# up to MAX_LAYERS layers (128 times the deepest released model, Llama 3.1 405B's 126), and a larger count is
+# refused with this bound named (10**12 layers never finished).
+# A hooked layer is not folded (its output is a tap that lives on), and it splits the stretch it is in: a forward
+# with h hooked layers writes at most about (h + 1) * 4 * p layers out, p the period of its layer types
+# (Qwen3.5: 4). MAX_LAYER_REPLAYS bounds the sum of those over the nodes that run decoder layers, per device
+# they run on: the 27B graph writes out 97 layers per target GPU, 679 in all; a fuzzed graph with 400 copies of
+# its forward took minutes before folding.
+MAX_LAYERS = 16384
 MAX_NODES = 5000
-# the memory model replays every layer of every node that runs a model's decoder layers (an op whose components
-# include "layers"), per device it runs on: the 27B graph runs 450 (64 layers on 7 GPUs, the drafter's 1); a fuzzed
-# graph with 400 copies of its forward took minutes
 MAX_LAYER_REPLAYS = 4096
+
+
+def _hooked(spec: GraphSpec) -> dict[str, int]:
+    """For each node, how many layers hook nodes capture from it (through its outputs)."""
+    out: dict[str, int] = {}
+    for ns in spec.nodes:
+        op = registry.get(ns.op)
+        if op is None or not any(p.kind == "layer_ids" for p in op.params):
+            continue
+        try:
+            n = len(op.layer_ids(ns.params))
+        except (TypeError, ValueError, OverflowError):
+            continue
+        refs = ns.inputs.values() if isinstance(ns.inputs, Mapping) else ns.inputs
+        for r in refs:
+            if isinstance(r, str):
+                node = r.partition(".")[0]
+                out[node] = out.get(node, 0) + n
+    return out
+
+
+def written_layers(dims: Any, hooked: int) -> int:
+    """At most how many of a forward's layers the memory model writes out (NOTE [Layer bound])."""
+    from ..ops.costs import MAX_PERIOD, _layer_period
+
+    n = getattr(dims, "num_hidden_layers", 0)
+    n = n if isinstance(n, int) else 0
+    types = getattr(dims, "layer_types", None)
+    p = _layer_period(tuple(types)) if types is not None else None
+    if p is None:
+        return n
+    return min(n, (hooked + 1) * 4 * min(p, MAX_PERIOD) + 1)
+
 
 def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
     problems: list[Problem] = []
@@ -145,7 +180,7 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
         layers = cfg.get("num_hidden_layers")   # before the arch builds per-layer tables of that length
         if isinstance(layers, int) and layers > MAX_LAYERS:
             problems.append(Problem(f"model '{name}' has {layers:,} layers, over the bound of {MAX_LAYERS} that check "
-                                    "can replay in about a second", spec.loc("models", name, "config", "num_hidden_layers"),
+                                    "checks in about a second", spec.loc("models", name, "config", "num_hidden_layers"),
                                     hint="the largest released models have about 130 layers; is this a typo?"))
             continue
         try:
@@ -171,15 +206,17 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
         models[name] = ModelInfo(m, cfg, dims)
     problems += _check_model_links(spec, models)
     replays = 0
+    hooked = _hooked(spec)
     for ns in spec.nodes:
         op = registry.get(ns.op)
         if op is not None and "layers" in op.components and ns.model in models:
-            n = getattr(models[ns.model].dims, "num_hidden_layers", 0)
-            replays += (n if isinstance(n, int) else 0) * len(spec.placement(ns.device))
+            replays += written_layers(models[ns.model].dims, hooked.get(ns.id, 0)) * len(spec.placement(ns.device))
     if replays > MAX_LAYER_REPLAYS:
-        problems.append(Problem(f"the graph's nodes run {replays:,} decoder layers per step, over the bound of "
-                                f"{MAX_LAYER_REPLAYS:,} that check replays in seconds", spec.loc("nodes"),
-                                hint="a training graph runs each model's layers a few times per step; is it generated?"))
+        problems.append(Problem(f"the graph's nodes write out {replays:,} decoder layers per step (hooked layers and "
+                                f"those around them are not folded), over the bound of {MAX_LAYER_REPLAYS:,} that "
+                                "check replays in seconds", spec.loc("nodes"),
+                                hint="a training graph runs each model's layers a few times per step and hooks a few "
+                                     "of them; is it generated?"))
     if len(spec.nodes) > MAX_NODES:
         problems.append(Problem(f"the graph has {len(spec.nodes):,} nodes, over the bound of {MAX_NODES:,}",
                                 spec.loc("nodes"), hint="a training graph has tens of nodes; is it generated?"))

@@ -27,7 +27,7 @@ exp_avg and exp_avg_sq are fp32 (8 B) and its foreach step makes fp32 temporarie
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -37,7 +37,7 @@ from ..models.registry import ARCHS
 from ..ops import registry
 from ..ops.costs import CostContext, NodeCost, program_peak
 from ..units import DTYPE_BYTES, fmt_bytes
-from .allocator import AllocatorConfig, Event, round_size, simulate
+from .allocator import AllocatorConfig, Event, Folded, Repeat, expand_events, round_size, simulate
 from .infer import Typed
 
 STEPS_SIMULATED = 2
@@ -80,8 +80,8 @@ class DeviceMemory:
     reserved_peak_node: str
     node_peaks: Mapping[str, int]   # live bytes at each node's own peak
     oom: Oom | None
-    timeline: tuple[tuple[int, int], ...] = attrs.field(repr=False, eq=False)
-    labels: tuple[str, ...] = attrs.field(repr=False, eq=False)
+    # (allocated, reserved) after each event of the replay; a Folded sequence where layers were folded
+    timeline: Sequence[tuple[int, int]] = attrs.field(repr=False, eq=False)
 
     @property
     def headroom_bytes(self) -> int:
@@ -323,6 +323,12 @@ class _PeakSeq:
         if size is not None:
             self.live -= size
 
+    def alloc_blocks(self, key: Any, size: int, n: int) -> None:
+        """`n` blocks of `size` bytes, never freed (a model's layers' weights), as one: the live bytes rise
+        monotonically through them, so their peak is the one after the last."""
+        if size > 0 and n > 0:
+            self.alloc(key, n * (round_size(size) if self.rounded else size))
+
     def live_(self, key: Any) -> bool:
         return key in self.sizes
 
@@ -341,10 +347,22 @@ def _signature(typed: Typed, device: str) -> tuple:
 
 def device_events(typed: Typed, device: str, steps: int = STEPS_SIMULATED,
                   compress: bool = False) -> tuple[list[Event], dict[str, int]]:
-    """The allocation sequence of `steps` training steps on one physical device, and weight/optimizer bytes.
-    `compress` replaces each node's internal temporaries by one block of their peak: the same live-byte curve at
-    every node boundary and the same peak, in far fewer events (for live peaks, not for the allocator)."""
+    """The allocation sequence of `steps` training steps on one physical device, every event written out, and
+    weight/optimizer bytes. `compress` replaces each node's internal temporaries by one block of their peak: the
+    same live-byte curve at every node boundary and the same peak, in far fewer events (for live peaks, not for
+    the allocator)."""
     key = ("events", _signature(typed, device), steps, compress)
+    if key not in typed.cache:
+        events, resident = folded_events(typed, device, steps, compress)
+        typed.cache[key] = (expand_events(events) if any(type(e) is Repeat for e in events) else events, resident)
+    return typed.cache[key]
+
+
+def folded_events(typed: Typed, device: str, steps: int = STEPS_SIMULATED,
+                  compress: bool = False) -> tuple[list, dict[str, int]]:
+    """device_events with each stretch of identical layers as its first repetition and an allocator.Repeat
+    marker (NOTE [Folded replay]): what analyze_memory replays, in time that does not grow with the layers."""
+    key = ("folded", _signature(typed, device), steps, compress)
     if key not in typed.cache:
         typed.cache[key] = _device_events(typed, device, steps, compress)
     return typed.cache[key]
@@ -372,6 +390,9 @@ def _node_actions(typed: Typed, n: Node, cost: NodeCost, outs, compress: bool, d
     taps = hook_refs(typed, n.id) if "taps" in outs else {}
     acts = []
     for kind, key, size in program:
+        if kind == "repeat":    # layers folded (ops/costs.py, NOTE [Layer folding]): (None, Repeat, node id, 0)
+            acts.append((None, key, n.id, 0))
+            continue
         if key.startswith("tap:"):
             ref = taps[int(key[4:])]
             if kind == "alloc":
@@ -385,6 +406,51 @@ def _node_actions(typed: Typed, n: Node, cost: NodeCost, outs, compress: bool, d
         else:
             acts.append((False, (n.id, key), 0, f"{n.id}/{key}"))
     return acts
+
+def _repeat(seq: "_Seq", rep, nid: str) -> None:
+    """A body forward's folded layers (ops/costs.Repeat) in a _Seq: the first repetition's events, then one
+    allocator.Repeat marker for the others (NOTE [Folded replay]); the tensors the last repetition leaves alive
+    get its keys and ids. Written out instead where the first repetition frees a tensor older than the
+    repetition before it (the marker's ids could not name it)."""
+    ids, sizes, events = seq.ids, seq.sizes, seq.events
+    lo, start = seq._next, len(events)
+    made: list = []             # the templates of the tensors the first repetition allocates
+    tpls: list = []             # the template of each event it records
+    for kind, tpl, size in rep.steps:
+        key = (nid, rep.key(tpl, 0))
+        if kind == "alloc":
+            if size > 0:
+                tpls.append(tpl)
+                made.append(tpl)
+            seq.alloc(key, size, f"{nid}/{key[1]}")
+        elif key in ids:
+            tpls.append(tpl)
+            seq.free(key, f"{nid}/{key[1]}")
+    stride = seq._next - lo
+    more = rep.times - 1
+    if more <= 0:
+        return
+    if any(ev.op == "free" and ev.tensor < lo - stride for ev in events[start:]):
+        for j in range(1, rep.times):
+            for kind, tpl, size in rep.steps:
+                key = (nid, rep.key(tpl, j))
+                if kind == "alloc":
+                    seq.alloc(key, size, f"{nid}/{key[1]}")
+                else:
+                    seq.free(key, f"{nid}/{key[1]}")
+        return
+
+    def label(k: int, i: int) -> str:
+        return f"{nid}/{rep.key(tpls[i], k)}"
+
+    events.append(Repeat(len(events) - start, more, stride, lo, label))
+    seq._next += more * stride
+    for tpl in made:
+        tid = ids.pop((nid, rep.key(tpl, 0)), None)
+        if tid is not None:
+            ids[(nid, rep.key(tpl, more))] = tid + more * stride
+            sizes[tid + more * stride] = sizes.pop(tid)
+
 
 def _forward_node(seq, typed: Typed, n: Node, here: bool, cost: NodeCost, left: dict, saved_refs: dict,
                   grads, compress: bool, desc, actions: dict | None = None) -> None:
@@ -404,7 +470,11 @@ def _forward_node(seq, typed: Typed, n: Node, here: bool, cost: NodeCost, left: 
         if type(seq) is _Seq:    # _Seq.alloc / _Seq.free inlined: the bulk of a replay's events
             ids, sizes, append, nxt = seq.ids, seq.sizes, seq.events.append, seq._next
             for is_alloc, key, size, lab in acts:
-                if is_alloc:
+                if is_alloc is None:
+                    seq._next = nxt
+                    _repeat(seq, key, size)
+                    nxt = seq._next
+                elif is_alloc:
                     if size > 0:
                         ids[key] = nxt
                         sizes[nxt] = size
@@ -417,7 +487,15 @@ def _forward_node(seq, typed: Typed, n: Node, here: bool, cost: NodeCost, left: 
             seq._next = nxt
         else:
             for is_alloc, key, size, lab in acts:
-                if is_alloc:
+                if is_alloc is None:    # a Repeat, written out
+                    for j in range(key.times):
+                        for kind, tpl, sz in key.steps:
+                            k = key.key(tpl, j)
+                            if kind == "alloc":
+                                seq.alloc((size, k), sz, f"{size}/{k}")
+                            else:
+                                seq.free((size, k), f"{size}/{k}")
+                elif is_alloc:
                     seq.alloc(key, size, lab)
                 else:
                     seq.free(key, lab)
@@ -452,8 +530,11 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
         m = ctx.models[mname]
         width = DTYPE_BYTES[m.spec.dtype]
         nblocks = getattr(m.dims, "num_hidden_layers", 1) if comp == "layers" else 1
-        for b in range(nblocks):
-            seq.alloc(("w", owner, b), params * width // nblocks, f"load/weights {owner}")
+        if seq.labels:
+            for b in range(nblocks):
+                seq.alloc(("w", owner, b), params * width // nblocks, f"load/weights {owner}")
+        else:   # a peak alone: the blocks (each rounded) as one, the same live bytes after them
+            seq.alloc_blocks(("w", owner), params * width // nblocks, nblocks)
         weight_bytes += params * width
         if m.spec.trainable:
             trainable_params[owner] = params
@@ -545,6 +626,26 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
     return getattr(seq, "events", []), {"weights": weight_bytes, "optimizer": opt_bytes}
 
 
+def _label_at(events: list, i: int) -> str:
+    """The label of event i of an event list with Repeat markers, counting every event they stand for ("" past
+    the end, or for i < 0)."""
+    if i < 0:
+        return ""
+    x = 0
+    for j, ev in enumerate(events):
+        if type(ev) is Repeat:
+            n = ev.times * ev.length
+            if i < x + n:
+                k, r = divmod(i - x, ev.length)
+                return ev.label(k + 1, r)
+            x += n
+        else:
+            if x == i:
+                return ev.label
+            x += 1
+    return ""
+
+
 @attrs.frozen
 class _NoCacheOom:
     label: str
@@ -564,19 +665,33 @@ class _NoCacheResult:
     timeline: tuple[tuple[int, int], ...]
 
 
-def _no_cache(events: list[Event], usable: int) -> _NoCacheResult:
+def _no_cache(events: list, usable: int) -> _NoCacheResult:
+    """A CPU device's replay: live bytes only (the system allocator caches nothing). A Repeat marker's
+    repetitions each add nothing (NOTE [Layer folding]: the tensors alive after one are those before, shifted),
+    so each sees what the first saw: its timeline is the first's, as a run, and no new peak or OOM."""
     live = peak = 0
     peak_i = -1
     oom = None
-    timeline = []
-    for i, ev in enumerate(events):
+    timeline: list = []
+    runs: list = []
+    i = 0
+    for j, ev in enumerate(events):
+        if type(ev) is Repeat:
+            if sum(e.size if e.op == "alloc" else -e.size for e in events[j - ev.length:j]) != 0:
+                return _no_cache(expand_events(events), usable)
+            runs.append((timeline[:len(timeline) - ev.length], 1))
+            runs.append((timeline[len(timeline) - ev.length:], ev.times + 1))
+            timeline = []
+            i += ev.times * ev.length
+            continue
         if ev.op == "alloc" and oom is None and live + ev.size > usable:
             oom = _NoCacheOom(ev.label, ev.size, usable - live, live, live)
         live += ev.size if ev.op == "alloc" else -ev.size
         if live > peak:
             peak, peak_i = live, i
         timeline.append((live, live))
-    return _NoCacheResult(peak, peak, peak_i, peak_i, oom, tuple(timeline))
+        i += 1
+    return _NoCacheResult(peak, peak, peak_i, peak_i, oom, Folded(runs + [(timeline, 1)]) if runs else tuple(timeline))
 
 
 def outside_bytes(typed: Typed, device: str) -> int:
@@ -598,7 +713,7 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
                                     max_split_size_bytes=spec.memory.max_split_size)
     devices = {}
     for name, dev in spec.devices.items():
-        events, resident = device_events(typed, name)
+        events, resident = folded_events(typed, name)
         outside = outside_bytes(typed, name)     # with NCCL's p2p buffers under torchrun (analysis/launch.py)
         usable = usable_bytes(typed, name)
         skey = ("sim", _signature(typed, name), usable, dev.torch.startswith("cuda"), allocator)
@@ -618,7 +733,13 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
         live = peak_live = 0
         node_peaks: dict[str, int] = {}
         peak_label = ""
-        for ev in events:
+        for j, ev in enumerate(events):
+            if type(ev) is Repeat:
+                # every repetition starts with the live bytes the first did (NOTE [Layer folding]) and makes the
+                # same curve, so it reaches no new peak; checked
+                if sum(e.size if e.op == "alloc" else -e.size for e in events[j - ev.length:j]):
+                    raise AssertionError(f"{name}: a folded layer repetition changes the live bytes")
+                continue
             if ev.op == "alloc":
                 live += ev.size
                 node = ev.label.partition("/")[0]
@@ -628,10 +749,9 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
                     peak_live, peak_label = live, ev.label
             else:
                 live -= ev.size
-        labels = tuple([e.label for e in events])
 
         def at(i: int) -> str:
-            return labels[i].split("/")[0] if 0 <= i < len(labels) else ""
+            return _label_at(events, i).split("/")[0]
 
         oom = None
         if sim.oom is not None:
@@ -644,7 +764,7 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
             weight_bytes=resident["weights"], optimizer_bytes=resident["optimizer"],
             peak_bytes=sim.allocated_peak, live_peak_bytes=peak_live, peak_node=peak_label.split("/")[0],
             reserved_peak_bytes=sim.reserved_peak, reserved_peak_node=at(sim.reserved_peak_index),
-            node_peaks=node_peaks, oom=oom, timeline=sim.timeline, labels=labels)
+            node_peaks=node_peaks, oom=oom, timeline=sim.timeline)
         typed.cache[skey] = devices[name]
     cpus = tuple(n for n, d in spec.devices.items() if is_cpu(d.torch))
     host = None

@@ -19,7 +19,7 @@ from ..errors import GraphError, Location, Problem, did_you_mean
 from ..ir.dims import symbol
 from ..ir.types import Dim, TensorType
 from ..ops import registry
-from ..ops.costs import CostContext, program_peak
+from ..ops.costs import CostContext, program_peak, program_steps
 from ..rewrite.pipeline import Plan
 from ..rewrite.rules import ALL_RULES
 from ..units import DTYPE_BYTES, fmt_bytes
@@ -161,9 +161,12 @@ def explain(plan: Plan, nid: str) -> str:
         shown = fmt_bytes(val) if unit == "bytes" else f"{val:.3g}"
         out.append(f"  {label:<19} {text or shown}")
     if peak is not None:
-        steps = sum(1 for st in cost.program if st[0] == "alloc")
-        out.append(f"  {'program':<19} {steps} allocations in order, peak {fmt_bytes(peak)} above the inputs "
-                   "(a per-layer replay: no closed form)")
+        steps = program_steps(cost.program)
+        folded = sum(st[1].times * st[1].layers for st in cost.program if st[0] == "repeat")
+        how = (f"; {folded:,} of the layers repeat a period, replayed until the allocator's state repeats (NOTE "
+               "[Layer folding])" if folded else "")
+        out.append(f"  {'program':<19} {steps:,} allocations in order, peak {fmt_bytes(peak)} above the inputs "
+                   f"(a per-layer replay: no closed form{how})")
     if cost.saved_inputs:
         out.append(f"  saved inputs        {', '.join(cost.saved_inputs)} (kept alive until backward)")
     for ln in notes:

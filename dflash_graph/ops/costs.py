@@ -41,11 +41,86 @@ class CostContext:
 
 
 
-def program_peak(program: tuple[tuple[str, str, int], ...]) -> int:
-    """The most bytes a program holds at once (its temporaries and the outputs it has made so far)."""
+# NOTE [Layer folding]: a body forward's program is per layer (64 layers of Qwen3.5-27B: 13,434 steps), and
+# checking a deep model replays every layer: 512 layers took 1.8 CPU s, and 10,000 were refused. But the layers
+# of a model repeat: without a cache every layer after the first of its type allocates the same tensors in the
+# same order (models/qwen3_5.py), and layer_types repeat with a period (Qwen3.5: three linear_attention layers,
+# then a full_attention one). So _body_steps writes a stretch of identical periods once, as a Repeat step:
+# repetition 0's steps, whose keys are templates (format, layer, number), and how many times they repeat.
+# Repetition j's key is format.format(layer + j * layers, number + j * span): exactly the key the literal
+# program has there (expand_program gives the literal program back, step for step; tests/test_layer_folding.py).
+# A period is folded only when it is proven to repeat: _body_steps writes two periods of a stretch, and folds the
+# rest when the second is the first shifted by one period (the same steps, sizes and keys, and the same tensors
+# alive after it, shifted). The writer is shift-equivariant (what it writes for a layer depends only on the layer
+# type, the tensors alive and the previous layer's output, each shifted alike), so every later period of the
+# stretch is the first shifted too. A hooked layer (its output is a tap, owned by a hook node), the last layer
+# when the forward hands its output on, and layer 0 (it reads the embeddings) are never folded: they break a
+# stretch. analysis/memory.py carries a Repeat through to the allocator model as one marker (allocator.Repeat),
+# which replays repetitions until the allocator's state repeats and then skips the rest (NOTE [Folded replay]).
+
+
+@attrs.frozen
+class Repeat:
+    """`times` repetitions of the program steps `steps` (repetition 0), `layers` layers and `span` literal steps
+    each (NOTE [Layer folding]). A key is a template (format, layer, number): repetition j's key is
+    format.format(layer + j * layers, number + j * span)."""
+    steps: tuple[tuple[str, tuple[str, int, int], int], ...]
+    times: int
+    layers: int
+    span: int
+
+    def key(self, template: tuple[str, int, int], j: int) -> str:
+        fmt, layer, number = template
+        return fmt.format(layer + j * self.layers, None if number is None else number + j * self.span)
+
+    def expand(self, j: int) -> tuple[tuple[str, str, int], ...]:
+        """Repetition j's steps, with literal keys."""
+        return tuple((kind, self.key(tpl, j), size) for kind, tpl, size in self.steps)
+
+
+def expand_program(program) -> tuple[tuple[str, str, int], ...]:
+    """A program with its Repeat steps written out (NOTE [Layer folding])."""
+    out: list = []
+    for st in program:
+        if st[0] == "repeat":
+            for j in range(st[1].times):
+                out.extend(st[1].expand(j))
+        else:
+            out.append(st)
+    return tuple(out)
+
+
+def program_steps(program) -> int:
+    """How many allocations a program makes, its Repeats counted in full."""
+    return sum(st[1].times * sum(1 for s in st[1].steps if s[0] == "alloc") if st[0] == "repeat"
+               else st[0] == "alloc" for st in program)
+
+
+def program_peak(program) -> int:
+    """The most bytes a program holds at once (its temporaries and the outputs it has made so far). A Repeat's
+    repetitions start from the same live bytes and hold the same ones (NOTE [Layer folding]): its first stands
+    for all, and the keys it leaves alive are renamed to its last's."""
     sizes: dict[str, int] = {}
     live = peak = 0
-    for kind, key, size in program:
+    for st in program:
+        if st[0] == "repeat":
+            rep = st[1]
+            made = set()
+            for kind, tpl, size in rep.steps:
+                key = rep.key(tpl, 0)
+                if kind == "alloc":
+                    sizes[key] = size
+                    made.add(tpl)
+                    live += size
+                    peak = max(peak, live)
+                elif key in sizes:
+                    live -= sizes.pop(key)
+            for tpl in made:
+                key = rep.key(tpl, 0)
+                if key in sizes:
+                    sizes[rep.key(tpl, rep.times - 1)] = sizes.pop(key)
+            continue
+        kind, key, size = st
         if kind == "alloc":
             sizes[key] = size
             live += size
@@ -148,65 +223,164 @@ def _body_program(c: CostContext, ws: int, logits: bool) -> tuple[tuple[str, str
                        c.outputs["logits"].nbytes if logits else 0)
 
 
+MAX_PERIOD = 16     # the longest period of layer_types looked for (NOTE [Layer folding])
+
+
+def _layer_period(types: tuple[str, ...]) -> int | None:
+    """The smallest p <= MAX_PERIOD with types[i] == types[i - p] for every layer i > p (layer 0 reads the
+    embeddings and is never folded), or None."""
+    n = len(types)
+    for p in range(1, min(MAX_PERIOD, n) + 1):
+        if types[1 + p:] == types[1:n - p]:
+            return p
+    return None
+
+
+def _esc(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _shift(key, layers: int, span: int):
+    """A key `layers` layers and `span` literal steps later (NOTE [Layer folding]): templates move, plain keys
+    (the prologue's, an output's, a tap's) stay."""
+    if type(key) is tuple:
+        fmt, layer, number = key
+        return (fmt, layer + layers, None if number is None else number + span)
+    return key
+
+
+def _literal(key) -> str:
+    if type(key) is tuple:
+        fmt, layer, number = key
+        return fmt.format(layer, number)
+    return key
+
+
 @functools.lru_cache(maxsize=256)
 def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hidden: bool,
-                logits_bytes: int) -> tuple[tuple[str, str, int], ...]:
+                logits_bytes: int, fold: bool = True) -> tuple:
+    """The body forward's program; with `fold`, identical periods of layers as Repeat steps (NOTE [Layer
+    folding]); expand_program(fold=True's) == fold=False's."""
     from ..models import qwen3_5
 
     h = seq * d.hidden_size * dtype_bytes
     prologue, chunks, final = _layer_chunks(d, seq, dtype_bytes)
-    last = d.num_hidden_layers - 1
-    steps: list[tuple[str, str, int]] = [("alloc", "embeds", h)]
-    owned = ("out:", "tap:")
-    alive: dict[str, str] = {}           # replay name -> program key
-    labels: dict[str, str] = {}          # replay name -> qwen3_5.tensor_label (the same for every layer)
+    types = d.layer_types
+    n_layers = d.num_hidden_layers
+    last = n_layers - 1
+    steps: list = [("alloc", "embeds", h)]   # keys: plain strings, or templates (format, layer, number)
+    written = 1                              # literal steps so far (a Repeat counts all its repetitions)
+    alive: dict[str, object] = {}            # replay name -> key
+    labels: dict[str, str] = {}              # replay name -> qwen3_5.tensor_label (the same for every layer)
+    prev: object = "embeds"                  # the previous layer's output
 
-    def replay(events, prefix: str, out_key: str | None) -> None:
-        where = f"layer {prefix[1:-1]} " if prefix[1:-1].isdigit() else prefix
+    def owned(key) -> bool:
+        return type(key) is str and key.startswith(("out:", "tap:"))
+
+    def replay(events, layer: int | None, prefix: str, out_key, into: list) -> None:
+        nonlocal written
         for ev, size in events:
             kind, name = ev[0], ev[1:]
             if name in ("h_in",) or ev == "-h_out":
                 continue
             if ev == "+h_out":
-                steps.append(("alloc", out_key, h))
+                into.append(("alloc", out_key, h))
+                written += 1
             elif kind == "+":
                 # unique: a renamed tensor keeps its own key; [heads, seq, seq] tensors named by shape for an OOM
                 label = labels.get(name)
                 if label is None:
                     label = labels[name] = qwen3_5.tensor_label(d, seq, dtype_bytes, name)
-                alive[name] = (f"{prefix}{name}#{len(steps)}" if label == name
-                               else f"{where}{label} #{len(steps)}")
-                steps.append(("alloc", alive[name], size))
+                if layer is None:
+                    key = f"{prefix}{name}#{written}" if label == name else f"{prefix}{label} #{written}"
+                else:
+                    key = (f"l{{0}}.{_esc(name)}#{{1}}" if label == name else f"layer {{0}} {_esc(label)} #{{1}}",
+                           layer, written)
+                alive[name] = key
+                into.append(("alloc", key, size))
+                written += 1
             elif kind == "-":
-                steps.append(("free", alive.pop(name), 0))
+                into.append(("free", alive.pop(name), 0))
+                written += 1
             elif kind == "~":
                 old, new = name.split(">")
                 alive[new] = alive.pop(old)
 
-    replay(prologue, "pro.", None)
-    prev = "embeds"
-    for i, t in enumerate(d.layer_types):
+    def layer(i: int, into: list) -> None:
+        nonlocal prev, written
         if i in captured:
             cur = f"tap:{i}"       # allocated here, owned by the hook_capture node that asked for it
         elif i == last and has_hidden:
             cur = "out:hidden"
         else:
-            cur = f"l{i}.out"
-        replay(chunks[(t, i > 0)], f"l{i}.", cur)
-        if not prev.startswith(owned):
-            steps.append(("free", prev, 0))
+            cur = ("l{0}.out", i, None)
+        replay(chunks[(types[i], i > 0)], i, f"l{i}.", cur, into)
+        if not owned(prev):
+            into.append(("free", prev, 0))
+            written += 1
         prev = cur
+
+    def foldable(i: int) -> bool:
+        return i > 0 and i not in captured and not (i == last and has_hidden)
+
+    replay(prologue, None, "pro.", None, steps)
+    p = _layer_period(types) if fold else None
+    i = 0
+    while i < n_layers:
+        if p is None or not foldable(i):
+            layer(i, steps)
+            i += 1
+            continue
+        end = i
+        while end < n_layers and foldable(end):
+            end += 1
+        before = None        # the last period written literally: (steps, its span, alive and prev after it)
+        while i + p <= end:
+            start = written
+            buf: list = []
+            for k in range(i, i + p):
+                layer(k, buf)
+            span = written - start
+            after = (list(alive.items()), prev)
+            reps = (end - i) // p
+            if before is not None and reps > 1 and _repeats(before, buf, span, after, p):
+                steps.append(("repeat", Repeat(tuple(buf), reps, p, span), 0))
+                # the state after the last repetition: every template alive moves on by reps - 1 periods
+                more = reps - 1
+                alive = {name: _shift(key, more * p, more * span) for name, key in alive.items()}
+                prev = _shift(prev, more * p, more * span)
+                written += more * span
+                i += reps * p
+                break
+            steps.extend(buf)
+            before = (buf, span, after)
+            i += p
+        while i < end:
+            layer(i, steps)
+            i += 1
     # Qwen3_5TextModel.forward ends with the final norm: its temporaries and the normed [seq, hidden] state
-    replay(final, "norm.", None)
-    normed = alive.get("last_hidden_state")
+    replay(final, None, "norm.", None, steps)
     if logits_bytes:
         steps.append(("alloc", "out:logits", logits_bytes))
     for key in list(alive.values()):
         steps.append(("free", key, 0))
-    if not prev.startswith(owned):
+    if not owned(prev):
         steps.append(("free", prev, 0))
-    del normed
-    return tuple(steps)
+    return tuple(st if st[0] == "repeat" else (st[0], _literal(st[1]), st[2]) for st in steps)
+
+
+def _repeats(before, buf: list, span: int, after, p: int) -> bool:
+    """Whether the period just written (`buf`, `span` literal steps, leaving `after` alive) is the one before it
+    shifted by one period, steps and the tensors alive after it alike (NOTE [Layer folding]); and only template
+    keys, so that each repetition names its own tensors."""
+    steps0, span0, (alive0, prev0) = before
+    if span != span0 or len(buf) != len(steps0):
+        return False
+    for (k0, key0, s0), (k1, key1, s1) in zip(steps0, buf):
+        if k0 != k1 or s0 != s1 or type(key1) is not tuple or _shift(key0, p, span) != key1:
+            return False
+    alive1, prev1 = after
+    return [(name, _shift(key, p, span)) for name, key in alive0] == alive1 and _shift(prev0, p, span) == prev1
 
 
 def body_forward(c: CostContext) -> NodeCost:
