@@ -549,9 +549,10 @@ def test_check_scaling_benchmark_smoke(capsys):
     """benchmarks/check_scaling.py runs at small sizes and reports a size over a bound as refused (it asserts
     nothing about time)."""
     cs = _check_scaling()
-    assert cs.main(["--nodes", "25", "--written", "100", "--layers", "2", "600"]) == 0
+    assert cs.main(["--nodes", "25", "--written", "100", "--layers", "2", "600", "20000"]) == 0
     out = capsys.readouterr().out
-    assert "exponent" in out and "600  refused: model 'target' has 600 layers, over the bound of 512" in out
+    assert "exponent" in out and "20000  refused: model 'target' has 20,000 layers, over the bound of 16,384" in out
+    assert "   600  " in out and "600  refused" not in out
 
 
 @pytest.mark.parametrize("n_nodes", [60, 120])

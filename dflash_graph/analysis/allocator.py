@@ -1003,17 +1003,31 @@ class Folded(SequenceABC):
 # repetitions one by one and, after each, takes the allocator's state where that repetition touched it: every
 # block of the segments it allocated from or freed into (address, size, allocated, mapped, and whose tensor,
 # counted from the repetition's first id), and the counters (allocated, reserved, cudaMalloc and cudaFree calls,
-# retries, the next segment address, the live rounded bytes). When two repetitions in a row touched the same
-# segments and left the same state, the state after the second is the state after the first: the segments
-# neither touched are as they were, and the ones both touched are the same. The allocator is deterministic and
-# reads nothing else (garbage collection reads block ages, so a replay with a garbage_collection_threshold is
-# never folded), and the next repetition's events are the last one's with ids shifted, so it does exactly what
-# the last did, and so does every one after it: the same blocks, the same (allocated, reserved) after each event,
-# no new peak, no OOM. The rest are skipped: the timeline keeps the last repetition's entries as a run, and the
-# tensors alive move to the last repetition's ids. Without a repeat within MAX_FOLD_TRIES repetitions the rest
-# is replayed one by one: the same answer, slower. tests/test_layer_folding.py checks folded against expanded
+# retries, the next segment address, the live rounded bytes). When the last c repetitions left the states the c
+# before them left (c = 1: two in a row the same; c = 2: a layer's output alternating between two blocks), the
+# allocator is where it was c repetitions ago: a segment touched in the last c was touched in the same place of
+# the c before and left the same (its state is the one its last toucher saw), and the counters agree. The
+# allocator is deterministic and reads nothing else (garbage collection reads block ages, so a replay with a
+# garbage_collection_threshold is never folded), and the next repetitions' events are those c ago with ids
+# shifted, so they do exactly what those did, cycle after cycle: the same blocks, the same (allocated, reserved)
+# after each event, no new peak, no OOM. The whole cycles left are skipped: the timeline keeps the last cycle's
+# entries as a run, and the tensors alive move to the ids of the last skipped repetition; the few left over are
+# replayed. Without a cycle within MAX_FOLD_TRIES repetitions the rest is replayed one by one: the same answer,
+# slower. tests/test_layer_folding.py checks folded against expanded
 # replays on random repeated event lists and on deep graphs; tests/test_memory_digest.py pins every figure.
-MAX_FOLD_TRIES = 8
+MAX_FOLD_TRIES = 16
+MAX_CYCLE = 4
+
+
+def _cycle(states: list) -> int:
+    """The smallest c <= MAX_CYCLE such that the last c repetitions left, each where it touched the allocator,
+    the states the c before them left (NOTE [Folded replay]; a layer's output that alternates between two
+    blocks makes c = 2), or 0."""
+    n = len(states)
+    for c in range(1, MAX_CYCLE + 1):
+        if n >= 2 * c and None not in states[n - 2 * c:] and states[n - c:] == states[n - 2 * c:n - c]:
+            return c
+    return 0
 
 
 def simulate(
@@ -1131,12 +1145,13 @@ def simulate(
             continue
         base = events[j - ev.length:j]
         cut = ev.lo - ev.stride
-        before = None
+        states: list = []           # per repetition: the state where it touched it
+        starts: list[int] = []      # per repetition: where its timeline entries start
         k = 1
         while k <= ev.times:
             shift = k * ev.stride
             touched = {} if not sim._gc and k <= MAX_FOLD_TRIES else None
-            first = len(timeline)
+            starts.append(len(timeline))
             for i, e in enumerate(base):
                 oom = apply(x, e.op, e.tensor + shift if e.tensor >= cut else e.tensor, e.size, "")
                 x += 1
@@ -1145,13 +1160,16 @@ def simulate(
                     break
             if oom is not None:
                 break
-            now = state(ev.lo + shift, cut + shift) if touched is not None else None
+            states.append(state(ev.lo + shift, cut + shift) if touched is not None else None)
             touched = None
-            if now is not None and now == before and k < ev.times:
-                skip = ev.times - k      # every later repetition does what this one did
+            c = _cycle(states)
+            if c and ev.times - k >= c:
+                skip = (ev.times - k) // c * c     # every later cycle of c repetitions does what the last did
+                first = starts[-c]
                 runs.append((timeline[:first], 1))
-                runs.append((timeline[first:], skip + 1))
+                runs.append((timeline[first:], skip // c + 1))
                 timeline.clear()
+                starts = []
                 moved = {}
                 for t in [t for t in live if t >= cut + shift]:
                     moved[t + skip * ev.stride] = live.pop(t)
@@ -1160,8 +1178,8 @@ def simulate(
                     if entry[0] is not None:
                         owner[id(entry[0])] = t
                 x += skip * ev.length
-                break
-            before = now
+                k += skip
+                states = [None]        # the rest (fewer than c) one by one
             k += 1
         if oom is not None:
             break

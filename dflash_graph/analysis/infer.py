@@ -179,8 +179,8 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             continue
         layers = cfg.get("num_hidden_layers")   # before the arch builds per-layer tables of that length
         if isinstance(layers, int) and layers > MAX_LAYERS:
-            problems.append(Problem(f"model '{name}' has {layers:,} layers, over the bound of {MAX_LAYERS} that check "
-                                    "checks in about a second", spec.loc("models", name, "config", "num_hidden_layers"),
+            problems.append(Problem(f"model '{name}' has {layers:,} layers, over the bound of {MAX_LAYERS:,} that check "
+                                    "answers in about a second", spec.loc("models", name, "config", "num_hidden_layers"),
                                     hint="the largest released models have about 130 layers; is this a typo?"))
             continue
         try:

@@ -626,6 +626,32 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
     return getattr(seq, "events", []), {"weights": weight_bytes, "optimizer": opt_bytes}
 
 
+# --plot and --memory-snapshot draw every allocation event of a device, each written out (a Folded replay's
+# skipped repetitions too): their time and memory grow with the events, 3.9 s for qwen27b at 512 layers (about
+# 220,000 events per device) and 7.3 s at 2,000. They refuse a device with more than MAX_DRAWN_EVENTS events
+# (qwen27b: about 2,400 layers, 10 s), where check alone answers in a second.
+MAX_DRAWN_EVENTS = 1_000_000
+
+
+def event_count(events: list) -> int:
+    """How many events an event list with Repeat markers stands for."""
+    return sum(ev.times * ev.length if type(ev) is Repeat else 1 for ev in events)
+
+
+def drawable(typed: Typed, flag: str) -> None:
+    """Refuse to draw (--plot, --memory-snapshot) a device with more events than MAX_DRAWN_EVENTS."""
+    from ..errors import GraphError, Location, Problem
+
+    for name in typed.ctx.spec.devices:
+        n = event_count(folded_events(typed, name)[0])
+        if n > MAX_DRAWN_EVENTS:
+            raise GraphError(Problem(
+                f"{flag} draws every allocation, and device {name} makes {n:,} of them in the simulated steps, over "
+                f"the bound of {MAX_DRAWN_EVENTS:,} for drawing", Location(None, None, flag),
+                hint="check answers without it; to draw, check a shallower copy (--set "
+                     "models.NAME.config.num_hidden_layers=...): its layers repeat the same way"))
+
+
 def _label_at(events: list, i: int) -> str:
     """The label of event i of an event list with Repeat markers, counting every event they stand for ("" past
     the end, or for i < 0)."""
@@ -1199,9 +1225,14 @@ def grad_seed(typed: Typed, node: Node) -> bool:
 
 
 def events_peak(events, rounded: bool = False) -> int:
-    """The most live bytes an allocation sequence reaches (block sizes rounded like the CUDA allocator's)."""
+    """The most live bytes an allocation sequence reaches (block sizes rounded like the CUDA allocator's). A
+    Repeat marker's repetitions that each add nothing (NOTE [Layer folding]) reach what the first reached."""
     live = peak = 0
-    for ev in events:
+    for j, ev in enumerate(events):
+        if type(ev) is Repeat:
+            if sum(e.size if e.op == "alloc" else -e.size for e in events[j - ev.length:j]):
+                return events_peak(expand_events(events), rounded)
+            continue
         size = round_size(ev.size) if rounded and ev.size else ev.size
         live += size if ev.op == "alloc" else -size
         peak = max(peak, live)

@@ -33,7 +33,7 @@ from ..ir.graph import Graph
 from .infer import Typed, build, infer
 from .allocator import AllocatorConfig, simulate
 from .memory import (HostMemory, MemoryReport, Oom, _signature, analyze_memory, device_events, events_peak,
-                     host_memory_bytes, is_cpu, usable_bytes)
+                     folded_events, host_memory_bytes, is_cpu, usable_bytes)
 
 _POINTS = 4          # lattice points that fix a polynomial of degree <= 3
 _CHECKS = 2          # more points it must also match
@@ -162,7 +162,7 @@ def _replay(typed: Typed, devices: Sequence[str], alloc: AllocatorConfig) -> _Re
         usable = usable_bytes(typed, dev)
         key = (_signature(typed, dev), usable, d.torch.startswith("cuda"))
         if key not in seen:
-            events, _ = device_events(typed, dev)
+            events, _ = folded_events(typed, dev)      # layers folded (NOTE [Folded replay])
             live = events_peak(events)
             if d.torch.startswith("cuda"):
                 sim = simulate(events, usable, alloc)

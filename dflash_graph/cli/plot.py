@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..analysis.allocator import simulate
 from ..analysis.categories import CATEGORIES, category
 from ..analysis.infer import Typed
-from ..analysis.memory import MemoryReport, _signature, device_events
+from ..analysis.memory import MemoryReport, _signature, device_events, drawable
 from ..errors import GraphError, Location, Problem
 from ..rewrite.pipeline import Plan
 from ..units import fmt_bytes
@@ -117,6 +117,8 @@ def plot_plan(plan: Plan, path: str) -> str:
     except ImportError:
         raise GraphError(Problem("--plot needs matplotlib, which is not installed", Location(None, None, "--plot"),
                                  hint='pip install "dflash-graph[plot]" (or: pip install matplotlib)')) from None
+    for typed in (plan.original, plan.typed):
+        drawable(typed, "--plot")
     matplotlib.use("Agg")
     matplotlib.rcParams["svg.fonttype"] = "none"    # text stays text in an SVG: searchable, selectable
     import matplotlib.pyplot as plt

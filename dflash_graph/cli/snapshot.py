@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pickle
 
+from ..analysis.memory import drawable
 from ..analysis.snapshot import snapshot
 from ..rewrite.pipeline import Plan
 
 
 def write_snapshot(plan: Plan, path: str) -> tuple[dict, str]:
+    drawable(plan.typed, "--memory-snapshot")
     snap = snapshot(plan.typed, plan.memory.allocator)
     with open(path, "wb") as f:
         pickle.dump(snap, f, protocol=pickle.HIGHEST_PROTOCOL)

@@ -214,13 +214,16 @@ def _layer_chunks(d, seq: int, b: int) -> tuple[list, dict, list]:
     return prologue, dict(zip(keys, chunks)), final
 
 
+FOLD_LAYERS = True      # NOTE [Layer folding]; tests turn it off to compare with the literal replay
+
+
 def _body_program(c: CostContext, ws: int, logits: bool) -> tuple[tuple[str, str, int], ...]:
     """The body forward's allocations in order, layer by layer, from the replay in models/qwen3_5.py; hooked layer
     outputs are allocated where the layer makes them, between its temporaries, as on a GPU. A layer output no
     one captured is freed once the next layer has consumed it."""
     captured = c.taps
     return _body_steps(c.model_dims, c.inputs["input_ids"].sizes[0], c.dtype_bytes, captured, "hidden" in c.outputs,
-                       c.outputs["logits"].nbytes if logits else 0)
+                       c.outputs["logits"].nbytes if logits else 0, FOLD_LAYERS)
 
 
 MAX_PERIOD = 16     # the longest period of layer_types looked for (NOTE [Layer folding])
