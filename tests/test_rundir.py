@@ -54,3 +54,29 @@ def test_refuses_overwrite_resumes_in_place_and_records(in_repo, tmp_path, capsy
 def test_flatten_names_nodes_by_id():
     flat = rundir.flatten({"nodes": [{"id": "loss", "params": {"gamma": 7.0}}], "train": {"lr": 1}})
     assert flat == {"nodes.loss.id": "loss", "nodes.loss.params.gamma": 7.0, "train.lr": 1}
+
+
+def test_overwrite_that_cannot_remove_says_what_is_left(tmp_path, monkeypatch):
+    """--overwrite that fails part way (a read-only file system, a file held by another user) is exit 2 naming what
+    was removed, what is left and that nothing new was written, not a bare OSError."""
+    import shutil
+
+    import pytest
+
+    from dflash_graph.errors import GraphError
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+
+    def refuse(path, *a, **kw):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    with pytest.raises(GraphError) as e:
+        rundir.prepare(out, None, overwrite=True)
+    msg = str(e.value)
+    assert "--overwrite could not remove" in msg and "checkpoints: Permission denied" in msg
+    assert "removed: metrics.jsonl" in msg and "left (maybe in part): checkpoints" in msg
+    assert "nothing of the new run was written" in msg and "--overwrite" in e.value.problems[0].hint
+    assert (out / "checkpoints").is_dir() and not (out / "metrics.jsonl").exists()

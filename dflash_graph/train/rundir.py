@@ -56,12 +56,25 @@ def prepare(out: Path, resume: Path | None, overwrite: bool) -> None:
     if not overwrite:
         raise GraphError(Problem(f"{out} already holds a run ({_summary(out)})", Location(None, None, None, f"--out {out}"),
                                  hint=f"continue it with --resume {out}, replace it with --overwrite, or choose another --out"))
+    removed: list[str] = []
     for f in OWNED:
         p = out / f
-        if p.is_symlink() or p.is_file():
-            p.unlink()
-        elif p.is_dir():
-            shutil.rmtree(p)
+        try:
+            if p.is_symlink() or p.is_file():
+                p.unlink()
+            elif p.is_dir():
+                shutil.rmtree(p)
+            else:
+                continue
+        except OSError as e:     # what is gone, what is left, and that nothing new was written yet (exit 2)
+            left = [g for g in OWNED if (out / g).exists() or (out / g).is_symlink()]
+            raise GraphError(Problem(
+                f"--overwrite could not remove {p}: {e.strerror or e}; removed: {', '.join(removed) or 'nothing'}; "
+                f"left (maybe in part): {', '.join(left)}; nothing of the new run was written",
+                Location(None, None, None, "--overwrite"),
+                hint=f"make {out} writable (or remove what is left yourself), then run again with --overwrite; or "
+                     "choose another --out")) from None
+        removed.append(f)
 
 
 def _summary(d: Path) -> str:
