@@ -551,7 +551,7 @@ def test_check_scaling_benchmark_smoke(capsys):
     cs = _check_scaling()
     assert cs.main(["--nodes", "25", "--written", "100", "--layers", "2", "600", "20000"]) == 0
     out = capsys.readouterr().out
-    assert "exponent" in out and "20000  refused: model 'target' has 20,000 layers, over the bound of 16,384" in out
+    assert "exponent" in out and "20000  refused: model 'target' has 20,000 layers, over the bound of 10,000" in out
     assert "   600  " in out and "600  refused" not in out
 
 

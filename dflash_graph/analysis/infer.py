@@ -95,17 +95,18 @@ class Typed:
 
 # NOTE [Layer bound]: a body forward's layers are folded (ops/costs.py, NOTE [Layer folding]; analysis/allocator.py,
 # NOTE [Folded replay]): check replays a stretch of identical layers in time that does not grow with its length.
-# What still grows with the layer count is per layer and cheap: loading the weights (one block per layer, as
-# the allocator sees them) and the per-layer tables of the arch. benchmarks/check_scaling.py, graphs/qwen27b.toml
-# widened: 64 layers 0.6 CPU s in compile_graph, 10,000 layers 0.9 s, 16,384 about 1.1 s. So a model may have
-# up to MAX_LAYERS layers (128 times the deepest released model, Llama 3.1 405B's 126), and a larger count is
-# refused with this bound named (10**12 layers never finished).
+# What still grows with the layer count is per layer and cheap: loading the weights (one block per layer, as the
+# allocator sees them) and the arch's per-layer tables. benchmarks/check_scaling.py, graphs/qwen27b.toml widened,
+# CPU s in compile_graph on the shared 2-core machine: 0.61 at 64 layers, 0.82 at 10,000, 1.16 at 16,384; the
+# whole `dflash-graph check` process (imports included) 1.73 CPU s at 64 layers and 1.87 at 10,000 under load. So a
+# model may have up to MAX_LAYERS layers (80 times the deepest released model, Llama 3.1 405B's 126), and a larger
+# count is refused with this bound named (10**12 layers never finished).
 # A hooked layer is not folded (its output is a tap that lives on), and it splits the stretch it is in: a forward
 # with h hooked layers writes at most about (h + 1) * 4 * p layers out, p the period of its layer types
 # (Qwen3.5: 4). MAX_LAYER_REPLAYS bounds the sum of those over the nodes that run decoder layers, per device
-# they run on: the 27B graph writes out 97 layers per target GPU, 679 in all; a fuzzed graph with 400 copies of
-# its forward took minutes before folding.
-MAX_LAYERS = 16384
+# they run on: the 27B graph writes out at most 97 layers per target GPU, 679 in all; a fuzzed graph with 400
+# copies of its forward took minutes before folding.
+MAX_LAYERS = 10000
 MAX_NODES = 5000
 MAX_LAYER_REPLAYS = 4096
 
