@@ -85,12 +85,13 @@ def repeated_events(draw):
             events.append(Event("free", t, s, f"pre-free{t}"))
     k = draw(st.integers(1, 5))
     sizes = [draw(st.sampled_from(SIZES)) for _ in range(k)]
-    kept = draw(st.sets(st.integers(0, k - 1), max_size=k))        # freed by the next repetition
+    grows = draw(st.booleans())     # only allocations, none freed (a model's layer weights)
+    kept = set() if grows else draw(st.sets(st.integers(0, k - 1), max_size=k))   # freed by the next repetition
     # an order of the period's operations: ("a", i) alloc, ("f", i) free in the period, ("p", i) free of the
     # previous repetition's tensor i
     ops = [("a", i) for i in range(k)]
     for i in range(k):
-        if i not in kept:
+        if i not in kept and not grows:
             ops.insert(draw(st.integers(ops.index(("a", i)) + 1, len(ops))), ("f", i))
     for i in sorted(kept):
         ops.insert(draw(st.integers(0, len(ops))), ("p", i))
@@ -121,6 +122,8 @@ def repeated_events(draw):
 
     events.append(Repeat(len(rep0), times, k, lo, label))
     last = lo + times * k
+    if grows and draw(st.booleans()):     # then temporaries after them, as a forward after the load
+        events += [Event("alloc", last + k, 5 * MiB, "after"), Event("free", last + k, 5 * MiB, "after")]
     for i in sorted(kept):
         events.append(Event("free", last + i, sizes[i], f"free t{last + i}"))
     for t, s in live:
@@ -150,6 +153,31 @@ def test_folded_replay_is_the_literal_replay(events, capacity, config):
     literal = expand_events(events)
     assert not any(type(e) is Repeat for e in literal)
     _same(simulate(events, capacity, config), simulate(literal, capacity, config))
+
+
+@given(events=repeated_events(), usable=st.sampled_from([0, 8 * MiB, 40 * MiB, 100 * MiB, 300 * MiB, 10**12]))
+def test_folded_cpu_replay_is_the_literal_replay(events, usable):
+    """A CPU device's replay (live bytes, no cache) on folded events is the one on the events written out."""
+    from dflash_graph.analysis.memory import _no_cache
+
+    a, b = _no_cache(events, usable), _no_cache(expand_events(events), usable)
+    assert (a.allocated_peak, a.allocated_peak_index, a.oom) == (b.allocated_peak, b.allocated_peak_index, b.oom)
+    assert list(a.timeline) == list(b.timeline)
+
+
+def test_weights_load_in_closed_form():
+    """10,000 layer weight blocks, each a new wholly allocated segment: a few replayed, the rest made at once."""
+    size = 100 * MiB
+    rep = [Event("alloc", 1, size, "w")]
+    events = [Event("alloc", 0, size, "w"), *rep, Repeat(1, 9_998, 1, 1, lambda k, i: "w"),
+              Event("alloc", 10_000, 3 * MiB, "x"), Event("free", 10_000, 3 * MiB, "x")]
+    r = simulate(events, None)
+    assert r.allocated_peak == 10_000 * size + 3 * MiB and r.reserved_peak == 10_000 * size + 20 * MiB
+    assert isinstance(r.timeline, Folded) and len(r.timeline) == 10_002
+    _same(r, simulate(expand_events(events), None))
+    fits = simulate(events, 5_000 * size + 20 * MiB)       # the OOM at the first block that does not fit
+    assert fits.oom is not None and fits.oom.index == 5_000
+    _same(fits, simulate(expand_events(events), 5_000 * size + 20 * MiB))
 
 
 def test_a_long_repetition_is_skipped():
@@ -200,3 +228,15 @@ def test_check_is_the_same_with_and_without_folding(graph, overrides, monkeypatc
     # ... and the allocator model skipped repetitions (a CPU device's replay folds without it)
     report = folded.memory_before or folded.memory
     assert any(isinstance(d.timeline, Folded) for d in report.devices.values())
+
+
+def test_a_skipped_weight_block_can_still_be_freed():
+    """The blocks of repetitions skipped in closed form are made when one is freed: freeing layer 5,000's weights
+    (an event list could) gives what the written-out replay gives."""
+    size = 100 * MiB + 3 * 512
+    rep = [Event("alloc", 1, size, "w")]
+    events = [Event("alloc", 0, size, "w"), *rep, Repeat(1, 9_998, 1, 1, lambda k, i: "w"),
+              Event("free", 5_000, size, "free w5000"), Event("alloc", 10_000, 50 * MiB, "x"),
+              Event("free", 7_000, 0, "free w7000"), Event("alloc", 10_001, 100 * MiB, "y")]
+    for cap in (None, 20_000 * size):
+        _same(simulate(events, cap), simulate(expand_events(events), cap))

@@ -965,20 +965,30 @@ def expand_events(events: Sequence) -> list:
 
 
 class Folded(SequenceABC):
-    """A sequence kept as runs (items, times): `items` `times` times in a row, without writing them out (the
-    timeline of a folded replay, NOTE [Folded replay])."""
+    """A sequence kept as runs (items, times[, step]): `items` `times` times in a row, the j-th time (from 0) with
+    j * step added to each item's parts (step None: as they are), without writing them out (the timeline of a
+    folded replay, NOTE [Folded replay]: a repetition that only allocates raises every (allocated, reserved)
+    by the same bytes)."""
 
-    def __init__(self, runs: Sequence[tuple[Sequence, int]]):
-        self.runs = [(tuple(items), times) for items, times in runs if items and times > 0]
-        self._ends = list(itertools.accumulate(len(items) * times for items, times in self.runs))
+    def __init__(self, runs: Sequence[tuple]):
+        self.runs = [(tuple(r[0]), r[1], r[2] if len(r) > 2 else None) for r in runs if r[0] and r[1] > 0]
+        self._ends = list(itertools.accumulate(len(items) * times for items, times, _ in self.runs))
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
 
+    @staticmethod
+    def _moved(item, step, j: int):
+        return item if step is None or j == 0 else tuple(a + j * d for a, d in zip(item, step))
+
     def __iter__(self):
-        for items, times in self.runs:
-            for _ in range(times):
-                yield from items
+        for items, times, step in self.runs:
+            for j in range(times):
+                if step is None or j == 0:
+                    yield from items
+                else:
+                    for item in items:
+                        yield tuple(a + j * d for a, d in zip(item, step))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -988,8 +998,9 @@ class Folded(SequenceABC):
         if not 0 <= i < len(self):
             raise IndexError(i)
         r = bisect.bisect_right(self._ends, i)
-        items, _ = self.runs[r]
-        return items[(i - (self._ends[r - 1] if r else 0)) % len(items)]
+        items, _, step = self.runs[r]
+        j, at = divmod(i - (self._ends[r - 1] if r else 0), len(items))
+        return self._moved(items[at], step, j)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, SequenceABC) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
@@ -1013,8 +1024,18 @@ class Folded(SequenceABC):
 # after each event, no new peak, no OOM. The whole cycles left are skipped: the timeline keeps the last cycle's
 # entries as a run, and the tensors alive move to the ids of the last skipped repetition; the few left over are
 # replayed. Without a cycle within MAX_FOLD_TRIES repetitions the rest is replayed one by one: the same answer,
-# slower. tests/test_layer_folding.py checks folded against expanded
-# replays on random repeated event lists and on deep graphs; tests/test_memory_digest.py pins every figure.
+# slower.
+# A repetition that only allocates (a model's layers' weights, one block each) never cycles: it grows the
+# allocator. When it made only new segments, each wholly allocated (no free remainder in any pool), and the one
+# before it grew the allocator the same way (the same segments and blocks, the same growth of every counter,
+# each peak last raised at the same event), the next finds the pools as they were, so its requests again find no
+# cached block and make the same segments, cudaMalloc's bump pointer placing them one after the other: every
+# repetition left grows the allocator alike, and raises each peak at the same event, while the reserved bytes
+# fit the capacity (the rest, from the first that would not, are replayed: the OOM or the release of cached
+# blocks happens there as written). The counters and peaks move on in closed form; the skipped segments are made
+# only when one of their tensors is freed (grow, made). tests/test_layer_folding.py checks folded against
+# written-out replays on random repeated event lists (cycling and growing), and on deep graphs;
+# tests/test_memory_digest.py pins every figure.
 MAX_FOLD_TRIES = 16
 MAX_CYCLE = 4
 
@@ -1089,12 +1110,16 @@ def simulate(
                 owner[id(blk)] = tensor
                 if touched is not None:
                     touched[id(blk.seg)] = blk
+                    if blk.seg.expandable:   # the span it changed: the block and the rest of the free block it split
+                        nxt = blk.next
+                        note(blk, blk.addr, nxt.addr + nxt.size if nxt is not None and not nxt.allocated
+                             else blk.addr + blk.size)
                 peak[0] += r
                 if peak[0] > peak[1]:
                     peak[1] = peak[0]
                     peak[2] = i
         elif op == "free":
-            if tensor not in live:
+            if tensor not in live and not (lazy and made(tensor)):
                 raise ValueError(f"event {i}: free of unknown tensor {tensor}")
             blk, have, r = live.pop(tensor)
             if size != 0 and size != have:
@@ -1104,6 +1129,8 @@ def simulate(
                 free(blk)
                 if touched is not None:
                     touched[id(blk.seg)] = blk     # (free merges its free neighbours into blk: blk lives on)
+                    if blk.seg.expandable:
+                        note(blk, blk.addr, blk.addr + blk.size)
                 peak[0] -= r
         elif op == "empty_cache":
             sim.empty_cache()
@@ -1112,17 +1139,29 @@ def simulate(
         append((sim.allocated, sim.reserved))
         return None
 
+    spans: dict[int, list[int]] = {}     # id(expandable segment) -> [lo, hi): where the repetition changed it
+
+    def note(blk: _Block, lo: int, hi: int) -> None:
+        s = spans.get(id(blk.seg))
+        if s is None:
+            spans[id(blk.seg)] = [lo, hi]
+        else:
+            s[0], s[1] = min(s[0], lo), max(s[1], hi)
+
     def state(base: int, cut: int) -> tuple | None:
         """The allocator's state where the last repetition touched it (NOTE [Folded replay]); None when a block
-        is not where its neighbours say (then nothing is folded)."""
+        is not where its neighbours say (then nothing is folded). An expandable segment holds every block of its
+        pool (a model's weights too): only the blocks over the span the repetition changed are read, the others
+        being as they were."""
         segs = []
         for blk in touched.values():
+            span = spans.get(id(blk.seg)) if blk.seg.expandable else None
             head = blk
-            while head.prev is not None:
+            while head.prev is not None and (span is None or head.addr > span[0]):
                 head = head.prev
             row = [head.seg.base]
             b: _Block | None = head
-            while b is not None:
+            while b is not None and (span is None or b.addr < span[1]):
                 if b.next is not None and b.next.prev is not b:
                     return None
                 t = owner.get(id(b)) if b.allocated else None
@@ -1133,6 +1172,95 @@ def simulate(
         segs.sort()
         return (sim.allocated, sim.reserved, sim.num_device_alloc, sim.num_device_free, sim.num_alloc_retries,
                 sim._next_addr, peak[0], tuple(segs))
+
+    def growth(before: tuple, base: int, first: int) -> tuple | None:
+        """How a repetition that only allocates grew the allocator, when it only made new segments, each wholly
+        allocated (NOTE [Folded replay]): their blocks (offset, size, request, tensor from the repetition's
+        first id), the counters' growth, where in it each peak was last raised, and its timeline less its start;
+        None otherwise."""
+        x0, a0, r0, n0, f0, t0, next0, l0 = before
+        if (sim.num_device_free, sim.num_alloc_retries) != (f0, t0) or sim.allocated_peak_index < x0 or \
+                sim.reserved_peak_index < x0 or peak[2] < x0:
+            return None
+        segs = []
+        for blk in touched.values():
+            seg = blk.seg
+            if seg.base < next0 or seg.expandable:
+                return None           # an old segment (or the expandable one) changed
+            head = blk
+            while head.prev is not None:
+                head = head.prev
+            row = []
+            b: _Block | None = head
+            while b is not None:
+                t = owner.get(id(b))
+                if not b.allocated or not b.mapped or t is None or t < base:
+                    return None
+                row.append((b.addr - seg.base, b.size, b.requested, t - base))
+                b = b.next
+            segs.append((seg.base, seg.size, seg.is_small, tuple(row)))
+        segs.sort()
+        at = next0
+        for seg_base, size, _, _ in segs:    # one after the other, as `made` will place them again
+            if seg_base != at:
+                return None
+            at += size + K_LARGE_BUFFER
+        if at != sim._next_addr:
+            return None
+        return (tuple((size, small, row) for _, size, small, row in segs),
+                (sim.allocated - a0, sim.reserved - r0, sim.num_device_alloc - n0, sim._next_addr - next0,
+                 peak[0] - l0),
+                (sim.allocated_peak_index - x0, sim.reserved_peak_index - x0, peak[2] - x0),
+                tuple((a - a0, r - r0) for a, r in timeline[first:]))
+
+    lazy: list[tuple] = []      # repetitions skipped by grow, their segments made when one is first freed
+
+    def grow(g: tuple, base: int, stride: int, more: int) -> None:
+        """`more` repetitions like the last, which only made new, wholly allocated segments (growth): every
+        counter and peak moved on, and the segments noted, to be made (at the addresses cudaMalloc gives them)
+        only if one of their tensors is ever freed (`made`)."""
+        layout, (da, dr, dn, dnext, dl), _, _ = g
+        lazy.append((base + stride, base + (more + 1) * stride, stride, layout, sim._next_addr, dnext, set()))
+        span = more * len(g[3])
+        sim._next_addr += more * dnext
+        sim.allocated += more * da
+        sim.reserved += more * dr
+        sim.num_device_alloc += more * dn
+        peak[0] += more * dl
+        sim.allocated_peak, sim.allocated_peak_index = sim.allocated_peak + more * da, sim.allocated_peak_index + span
+        sim.reserved_peak, sim.reserved_peak_index = sim.reserved_peak + more * dr, sim.reserved_peak_index + span
+        peak[1], peak[2] = peak[1] + more * dl, peak[2] + span
+
+    def made(tensor: int) -> bool:
+        """Make the segments of the skipped repetition that allocated `tensor` (grow), if one did."""
+        for first, end, stride, layout, addr, dnext, done in lazy:
+            if first <= tensor < end:
+                j = (tensor - first) // stride
+                if j in done:
+                    return False
+                done.add(j)
+                at = addr + j * dnext
+                for size, small, row in layout:
+                    # (cudaMalloc's addresses: every segment size is a multiple of the 2 MiB alignment, so the
+                    # bump pointer stays aligned and each segment starts where the one before left it)
+                    pool = sim.small if small else sim.large
+                    seg = _Segment(at, size, False, size, small)
+                    at += size + K_LARGE_BUFFER
+                    prev: _Block | None = None
+                    for off, bsize, requested, rel in row:
+                        b = _Block(bsize, seg.base + off, pool, seg)
+                        b.allocated = True
+                        b.requested = requested
+                        b.prev = prev
+                        if prev is not None:
+                            prev.next = b
+                        prev = b
+                        sim.active[b.addr] = b
+                        t = first + j * stride + rel
+                        live[t] = (b, requested, round_size(requested, divisions))
+                        owner[id(b)] = t
+                return True
+        return False
 
     oom: OomReport | None = None
     x = 0                       # the index of the next event, counting every event a marker stands for
@@ -1145,13 +1273,18 @@ def simulate(
             continue
         base = events[j - ev.length:j]
         cut = ev.lo - ev.stride
+        allocs_only = all(e.op == "alloc" for e in base)
         states: list = []           # per repetition: the state where it touched it
         starts: list[int] = []      # per repetition: where its timeline entries start
+        grown: list = []            # per repetition that only allocates: how it grew the allocator (or None)
         k = 1
         while k <= ev.times:
             shift = k * ev.stride
             touched = {} if not sim._gc and k <= MAX_FOLD_TRIES else None
+            spans.clear()
             starts.append(len(timeline))
+            before = (x, sim.allocated, sim.reserved, sim.num_device_alloc, sim.num_device_free,
+                      sim.num_alloc_retries, sim._next_addr, peak[0])
             for i, e in enumerate(base):
                 oom = apply(x, e.op, e.tensor + shift if e.tensor >= cut else e.tensor, e.size, "")
                 x += 1
@@ -1160,6 +1293,24 @@ def simulate(
                     break
             if oom is not None:
                 break
+            if allocs_only and touched is not None:
+                grown.append(growth(before, ev.lo + shift, starts[-1]))
+                if len(grown) >= 2 and grown[-1] is not None and grown[-1] == grown[-2] and k < ev.times:
+                    g = grown[-1]
+                    more = ev.times - k
+                    if capacity_bytes is not None:     # the rest until a cudaMalloc would not fit: one by one
+                        more = min(more, (capacity_bytes - sim.reserved) // g[1][1])
+                    if more > 0:
+                        runs.append((timeline[:starts[-1]], 1))
+                        runs.append((timeline[starts[-1]:], more + 1, g[1][:2]))
+                        timeline.clear()
+                        grow(g, ev.lo + shift, ev.stride, more)
+                        x += more * ev.length
+                        k += more
+                        starts, states, grown = [], [None], []
+                        touched = None
+                        k += 1
+                        continue
             states.append(state(ev.lo + shift, cut + shift) if touched is not None else None)
             touched = None
             c = _cycle(states)

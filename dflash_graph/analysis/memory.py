@@ -530,7 +530,15 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
         m = ctx.models[mname]
         width = DTYPE_BYTES[m.spec.dtype]
         nblocks = getattr(m.dims, "num_hidden_layers", 1) if comp == "layers" else 1
-        if seq.labels:
+        if type(seq) is _Seq and nblocks > 2 and params * width // nblocks > 0:
+            # the layers' blocks: two written, the rest one Repeat marker (NOTE [Folded replay]: a repetition
+            # that only makes new, wholly allocated segments is skipped in closed form)
+            seq.alloc(("w", owner, 0), params * width // nblocks, f"load/weights {owner}")
+            seq.alloc(("w", owner, 1), params * width // nblocks, f"load/weights {owner}")
+            label = f"load/weights {owner}"
+            seq.events.append(Repeat(1, nblocks - 2, 1, seq._next - 1, lambda k, i, label=label: label))
+            seq._next += nblocks - 2
+        elif seq.labels:
             for b in range(nblocks):
                 seq.alloc(("w", owner, b), params * width // nblocks, f"load/weights {owner}")
         else:   # a peak alone: the blocks (each rounded) as one, the same live bytes after them
@@ -703,11 +711,32 @@ def _no_cache(events: list, usable: int) -> _NoCacheResult:
     i = 0
     for j, ev in enumerate(events):
         if type(ev) is Repeat:
-            if sum(e.size if e.op == "alloc" else -e.size for e in events[j - ev.length:j]) != 0:
+            rep = events[j - ev.length:j]
+            delta = sum(e.size if e.op == "alloc" else -e.size for e in rep)
+            if delta and not all(e.op == "alloc" for e in rep):
                 return _no_cache(expand_events(events), usable)
+            if delta and oom is None:       # only allocations: the first that does not fit, in closed form
+                live0 = live - delta        # at the start of the written repetition (0)
+                best = None
+                pre = 0
+                for r, e in enumerate(rep):
+                    # repetition k (1..times) starts at live0 + k * delta; e does not fit when that + pre + size
+                    # passes usable
+                    k = max(1, -(-(usable - live0 - pre - e.size + 1) // delta))
+                    if k <= ev.times and (best is None or (k, r) < best[:2]):
+                        best = (k, r, live0 + k * delta + pre)
+                    pre += e.size
+                if best is not None:
+                    k, r, at = best
+                    oom = _NoCacheOom(ev.label(k, r), rep[r].size, usable - at, at, at)
             runs.append((timeline[:len(timeline) - ev.length], 1))
-            runs.append((timeline[len(timeline) - ev.length:], ev.times + 1))
+            runs.append((timeline[len(timeline) - ev.length:], ev.times + 1, (delta, delta) if delta else None))
             timeline = []
+            if delta:       # the live bytes rise through every repetition: the peak is at the last one's end
+                live += ev.times * delta
+                last = max(r for r, e in enumerate(rep) if e.size > 0)
+                if live > peak:
+                    peak, peak_i = live, i + (ev.times - 1) * ev.length + last
             i += ev.times * ev.length
             continue
         if ev.op == "alloc" and oom is None and live + ev.size > usable:
@@ -761,10 +790,22 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
         peak_label = ""
         for j, ev in enumerate(events):
             if type(ev) is Repeat:
-                # every repetition starts with the live bytes the first did (NOTE [Layer folding]) and makes the
-                # same curve, so it reaches no new peak; checked
-                if sum(e.size if e.op == "alloc" else -e.size for e in events[j - ev.length:j]):
-                    raise AssertionError(f"{name}: a folded layer repetition changes the live bytes")
+                # every repetition of a layer starts with the live bytes the first did (NOTE [Layer folding]) and
+                # makes the same curve: no new peak; one that only allocates (the layers' weights) rises through
+                # them all: the last one's end is the highest
+                rep = events[j - ev.length:j]
+                delta = sum(e.size if e.op == "alloc" else -e.size for e in rep)
+                if delta and not all(e.op == "alloc" for e in rep):
+                    raise AssertionError(f"{name}: a folded repetition both frees and changes the live bytes")
+                if delta:
+                    live += (ev.times - 1) * delta
+                    for i, e in enumerate(rep):
+                        live += e.size
+                        node = e.label.partition("/")[0]
+                        if live > node_peaks.get(node, -1):
+                            node_peaks[node] = live
+                        if live > peak_live:
+                            peak_live, peak_label = live, ev.label(ev.times, i)
                 continue
             if ev.op == "alloc":
                 live += ev.size
@@ -1230,8 +1271,13 @@ def events_peak(events, rounded: bool = False) -> int:
     live = peak = 0
     for j, ev in enumerate(events):
         if type(ev) is Repeat:
-            if sum(e.size if e.op == "alloc" else -e.size for e in events[j - ev.length:j]):
+            rep = events[j - ev.length:j]
+            delta = sum((round_size(e.size) if rounded and e.size else e.size) * (1 if e.op == "alloc" else -1)
+                        for e in rep)
+            if delta and not all(e.op == "alloc" for e in rep):
                 return events_peak(expand_events(events), rounded)
+            live += ev.times * delta        # rising through every repetition, or back where it was
+            peak = max(peak, live)
             continue
         size = round_size(ev.size) if rounded and ev.size else ev.size
         live += size if ev.op == "alloc" else -size
