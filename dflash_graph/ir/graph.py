@@ -410,7 +410,8 @@ class Graph:
                         del read[r.node]
         g._consumers, g._read = cons, read
         g._from = weakref.ref(self)
-        g._change = Change(tuple(gone), tuple(made), frozenset(moved), tuple(window), reordered)
+        g._change = Change(tuple(n for n in gone if by2.get(n.id) is not n),
+                           tuple(n for n in made if by_id.get(n.id) is not n), frozenset(moved), tuple(window), reordered)
         g._derived = {}
         return g
 
