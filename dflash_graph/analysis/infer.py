@@ -360,7 +360,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
 
 class _InOrder(dict):
     """A dict that iterates in the order of a graph's nodes (NOTE [Inference of a change]); lookups are dict's."""
-    __slots__ = ("_order", "_keys")
+    __slots__ = ("_order", "_keys", "_plain")
 
     def _in_order(self) -> list:
         if self._keys is None:
@@ -389,15 +389,20 @@ def _in_order(d: dict, order) -> _InOrder:
     out = _InOrder(d)
     out._order = order
     out._keys = None
+    out._plain = d        # the same items in a plain dict: copied at C speed (dict.copy of an _InOrder iterates)
     return out
+
+
+def _plain(d: Mapping) -> dict:
+    return d._plain if type(d) is _InOrder else d
 
 
 def _infer_changed(graph: Graph, ctx: GraphContext, prev: Typed) -> Typed:
     import heapq
 
     change = graph._change
-    types = dict.copy(prev.types)
-    params = dict.copy(prev.params)
+    types = dict.copy(_plain(prev.types))
+    params = dict.copy(_plain(prev.params))
     prev_index = prev._outputs_index()
     index = dict(prev_index)
     node_cache = dict(prev.node_cache)
