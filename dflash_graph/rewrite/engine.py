@@ -59,26 +59,22 @@ class ContractBroken(RuntimeError):
 
 
 # NOTE [Rewrite bound]: the driver takes, at every step, the first candidate in (node order, rule order) that
-# matches and does not raise a device's peak. Re-inference is incremental (NOTE [Incremental inference]) and the
-# scan's matches are cheap. A candidate rejected on one graph can be accepted on a later one (another rewrite
-# lowered the live bytes where it raised them), so the driver must consider it again after every accepted
-# rewrite; pricing it again each time made rewriting grow with the cube of the node count (24 CPU s at 300
-# nodes). A rejection certificate (NOTE [Rejection certificates]) re-rejects it without pricing while the
-# rewrites since cannot have changed the verdict, so the driver prices about one candidate per rewrite applied.
-# Pricing reads each device's peak off its live curve, updated where the rewrite changed it (analysis/memory.py,
-# NOTE [Live curve]), instead of replaying each device's allocations over the whole graph (NOTE [Rewrite
-# pricing]); what is left per rewrite is linear in the graph with small constants (building the new Graph,
-# incremental inference's pass over the nodes, the scan from the first node, the fingerprint, the curve's sum
-# and max), so rewriting still grows faster than the node count (exponent about 1.5 from 50 to 300 nodes).
-# benchmarks/check_scaling.py, CPU s on the shared 2-core machine (quiet to loaded): 0.2 to 0.3 at 100 nodes,
-# 0.4 to 0.8 at 150, 0.8 to 1.4 at 200, 1.4 to 2.0 at 250, 2.0 to 2.4 at 300, against 0.4 to 0.7, 1.1 to 1.6,
-# 1.9 to 2.9, 3.1 to 4.6 and 4.6 to 6.9 with a full replay per candidate. At 300 nodes (1.6 s) incremental
-# inference takes 39% (building Refs and types for the nodes it keeps), pricing 18%, Graph.replace 17%.
-# Training graphs have 10 to 40 nodes; a graph over the bound (under 2 s with a margin for the shared machine)
-# is refused with the bound named, and checks as written (--no-rewrite: linear, ~1.6 s at the 5,000-node
-# bound). Linear rewriting needs the rest to be incremental too (a Graph updated in place of rebuilt, the scan
-# resumed where the rewrite was, the fingerprint and the curve kept in trees).
-MAX_REWRITE_NODES = 200
+# matches and does not raise a device's peak. A candidate rejected on one graph can be accepted on a later one,
+# so the driver must consider it again after every accepted rewrite; a rejection certificate (NOTE [Rejection
+# certificates]) re-rejects it without pricing while the rewrites since cannot have changed the verdict, and
+# pricing reads each device's peak off its live curve (analysis/memory.py, NOTE [Live curve]). What each
+# rewrite costs is now mostly what it changed: the graph is patched, not rebuilt (ir/graph.py, NOTE
+# [Incremental replace]); inference visits the changed nodes and their readers (analysis/infer.py, NOTE
+# [Inference of a change]); the scan resumes where the rewrite was (NOTE [Resumed scan]); twins, replicas,
+# outputs kept, certificates, the live curves' dirty blocks and the FLOPs are read off what replace changed.
+# Left linear per rewrite, at C speed: the copies of the graph's and the typed graph's tables, and the live
+# curve's prefix sums and maximum over every node (a tree of blocks would make that logarithmic).
+# benchmarks/check_scaling.py (widened graphs, about 1.5 rewrites per node), CPU s on the shared 2-core machine:
+# 0.38 to 0.50 at 200 nodes, 0.72 to 1.22 at 400, 1.75 at 600, 2.5 at 800, 3.3 to 3.7 at 1,000 (exponent 1.1
+# to 1.2 from 200 on; before: 0.78 at 200, 3.4 at 400, 21 at 800, exponent 1.9 to 2.1). A graph over the bound
+# (under about 1.5 s with a margin for the shared machine) is refused with the bound named, and checks as written
+# (--no-rewrite: linear, ~1.6 s at the 5,000-node bound).
+MAX_REWRITE_NODES = 500
 
 Tables = Sequence[tuple[str, Sequence[Rule]]]
 Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed -> (peak per device, flops per device)
