@@ -40,3 +40,45 @@ def test_order_matches_networkx(seed):
         assert e.value.args == CycleError([a for a, _ in cyc] + [cyc[0][0]]).args
         return
     assert [n.id for n in Graph(nodes).nodes] == want
+
+
+def test_patched_replace_is_the_rebuild(tmp_path):
+    """NOTE [Incremental replace]: at every step of rewriting a widened graph (benchmarks/check_scaling.py, whose
+    gathers move through positionwise nodes and make the graph sort again around them), Graph.replace's patched
+    graph is the full rebuild's: the same nodes in the same order, readers, read outputs and resort flag, with
+    order keys that increase along the nodes."""
+    import importlib.util
+    from pathlib import Path
+
+    from dflash_graph.analysis.infer import build, infer
+    from dflash_graph.analysis.memory import live_peaks
+    from dflash_graph.ir import graph as G
+    from dflash_graph.rewrite.engine import rewrite
+    from dflash_graph.rewrite.rules import DEFAULT_TABLES
+    from dflash_graph.spec.loader import load_graph
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("check_scaling", root / "benchmarks" / "check_scaling.py")
+    cs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cs)
+    typed = infer(*build(load_graph(str(cs.wide_graph(tmp_path, 90)))))
+    seen = {"patched": 0, "sorted": 0}
+    replace = G.Graph.replace
+
+    def checked(self, remove=(), add=(), redirect=None):
+        a = replace(self, remove, add, redirect)
+        b = self._rebuilt(set(remove), list(add), dict(redirect or {}))
+        assert [n.id for n in a.nodes] == [n.id for n in b.nodes]
+        assert all(x.same_as(y) for x, y in zip(a.nodes, b.nodes))
+        assert a._consumers == b._consumers and a._read == b._read and a.resorted == b.resorted
+        assert a._keys == sorted(set(a._keys)) and [a._key[n.id] for n in a.nodes] == a._keys
+        seen["patched"] += a._change is not None
+        seen["sorted"] += a.resorted
+        return a
+
+    G.Graph.replace = checked
+    try:
+        _, applied = rewrite(typed, DEFAULT_TABLES, live_peaks)
+    finally:
+        G.Graph.replace = replace
+    assert len(applied) > 80 and seen["patched"] >= len(applied) and seen["sorted"] > 10

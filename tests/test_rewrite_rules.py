@@ -555,11 +555,12 @@ def test_check_scaling_benchmark_smoke(capsys):
     assert "   600  " in out and "600  refused" not in out
 
 
-@pytest.mark.parametrize("n_nodes", [60, 120])
+@pytest.mark.parametrize("n_nodes", [60, 120, 240])
 def test_rejection_certificates_change_no_verdict(tmp_path, n_nodes):
-    """NOTE [Rejection certificates]: on the widened graphs of benchmarks/check_scaling.py (where hundreds of
-    rejected candidates are re-rejected by certificate), the rewrites applied are those of a driver that prices
-    every candidate every time, and verify=True (which prices every certified candidate and raises if pricing
+    """NOTE [Rejection certificates], NOTE [Resumed scan]: on the widened graphs of benchmarks/check_scaling.py
+    (where hundreds of rejected candidates are re-rejected by certificate), the rewrites applied are those of a
+    driver that scans from the first node after every rewrite and prices every candidate every time, and
+    verify=True (which prices every certified candidate and raises if pricing
     would accept it) passes."""
     from dflash_graph.analysis.memory import live_peaks
     from dflash_graph.rewrite import engine

@@ -324,6 +324,8 @@ def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
 # graphs; `rewrite(verify=True)` checks it after every rewrite).
 
 def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
+    if prev is not None and prev.ctx is ctx and graph._change is not None and graph.parent() is prev.graph:
+        return _infer_changed(graph, ctx, prev)
     types: dict[Ref, TensorType] = {}
     params: dict[str, Mapping[str, Any]] = {}
     node_cache: dict[str, dict] = {}
@@ -381,6 +383,140 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     typed.cache["_handles"] = frozenset(handles)
     if old is not None:
         typed.cache["_reinferred"] = frozenset(reinferred)
+    return typed
+
+
+# NOTE [Inference of a change]: when `graph` is `prev.graph` patched by Graph.replace (NOTE [Incremental
+# replace]), what it changed is known (`graph._change`), so incremental inference starts from prev's tables
+# (C-level copies) and visits, in order (a heap of order keys), only: the nodes the rewrite made or rewired;
+# the readers of a handle whose readers it changed or reordered (their legality depends on the sibling hooks);
+# and, downstream, the readers of every node whose outputs came out other than they were (or that failed:
+# its readers fail with it). A node it does not visit reads what it read, with the same types, and is its old
+# self: NOTE [Incremental inference]'s pass keeps its result too. The tables are patched, so their insertion
+# order is not the graph's: they are _InOrder dicts, which iterate in the graph's order (as inferring from
+# scratch builds them; tests/test_rewrite_properties.py, property g, compares them in order).
+
+class _InOrder(dict):
+    """A dict that iterates in the order of a graph's nodes (NOTE [Inference of a change]); lookups are dict's."""
+    __slots__ = ("_order", "_keys", "_plain")
+
+    def _in_order(self) -> list:
+        if self._keys is None:
+            self._keys = self._order()
+        return self._keys
+
+    def keys(self):
+        return list(self._in_order())
+
+    def __iter__(self):
+        return iter(self._in_order())
+
+    def items(self):
+        get = dict.__getitem__
+        return [(k, get(self, k)) for k in self._in_order()]
+
+    def values(self):
+        get = dict.__getitem__
+        return [get(self, k) for k in self._in_order()]
+
+    def __reduce__(self):
+        return dict, (dict(self.items()),)
+
+
+def _in_order(d: dict, order) -> _InOrder:
+    out = _InOrder(d)
+    out._order = order
+    out._keys = None
+    out._plain = d        # the same items in a plain dict: copied at C speed (dict.copy of an _InOrder iterates)
+    return out
+
+
+def _plain(d: Mapping) -> dict:
+    return d._plain if type(d) is _InOrder else d
+
+
+def _infer_changed(graph: Graph, ctx: GraphContext, prev: Typed) -> Typed:
+    import heapq
+
+    change = graph._change
+    types = dict.copy(_plain(prev.types))
+    params = dict.copy(_plain(prev.params))
+    prev_index = prev._outputs_index()
+    index = dict(prev_index)
+    node_cache = dict(prev.node_cache)
+    prev_handles = prev._handles()
+    handles = set(prev_handles)
+    by_id, key, consumers = graph._by_id, graph._key, graph._consumers
+    old_by_id = prev.graph._by_id
+
+    def drop(nid: str) -> None:
+        for k in index.pop(nid, ()):
+            r = Ref(nid, k)
+            del types[r]
+            handles.discard(r)
+        params.pop(nid, None)
+        node_cache.pop(nid, None)
+
+    for n in change.gone:
+        drop(n.id)
+    todo = {n.id for n in change.made}
+    for nid in (*(n.id for n in change.gone), *(n.id for n in change.made), *change.moved):
+        n = by_id.get(nid) or old_by_id[nid]
+        for _, r in n.inputs:
+            if r in prev_handles or r in handles:
+                todo.update(c for c, _ in consumers.get(r, ()))
+    for n in change.gone:
+        if n.id not in by_id:          # what read a removed node (unless rewired) is inferred again: it fails
+            for k in prev_index.get(n.id, ()):
+                todo.update(c for c, _ in consumers.get(Ref(n.id, k), ()))
+    todo &= by_id.keys()
+    heap = [(key[nid], nid) for nid in todo]
+    heapq.heapify(heap)
+    problems: list[Problem] = []
+    failed: set[str] = set()
+    reinferred: list[str] = []
+
+    def readers_of(nid: str, outs) -> None:
+        for k in outs:
+            for c, _ in consumers.get(Ref(nid, k), ()):
+                if c not in todo:
+                    todo.add(c)
+                    heapq.heappush(heap, (key[c], c))
+
+    while heap:
+        _, nid = heapq.heappop(heap)
+        node = by_id[nid]
+        if failed and any(r.node in failed for _, r in node.inputs):
+            failed.add(nid)
+            readers_of(nid, prev_index.get(nid, ()))
+            continue
+        try:
+            p, outs = _infer_node(node, graph, ctx, types)
+        except _NodeProblem as e:
+            problems.append(e.problem)
+            failed.add(nid)
+            readers_of(nid, prev_index.get(nid, ()))
+            continue
+        drop(nid)
+        params[nid] = p
+        reinferred.append(nid)
+        for name, t in outs.items():
+            r = Ref(nid, name)
+            types[r] = t
+            if t.dtype == "handle":
+                handles.add(r)
+        index[nid] = dict(outs)
+        if nid not in old_by_id or prev_index.get(nid) != outs:
+            readers_of(nid, set(outs) | set(prev_index.get(nid, ())))
+    if problems:
+        raise GraphError(problems)
+    nodes = graph.nodes
+    typed = Typed(graph, ctx,
+                  _in_order(types, lambda: [Ref(n.id, k) for n in nodes for k in index.get(n.id, ())]),
+                  _in_order(params, lambda: [n.id for n in nodes if n.id in params]), node_cache=node_cache)
+    typed.cache["_outputs_of"] = index
+    typed.cache["_handles"] = frozenset(handles)
+    typed.cache["_reinferred"] = frozenset(reinferred)
     return typed
 
 
@@ -462,7 +598,7 @@ def _infer_node(node: Node, graph: Graph, ctx: GraphContext, types: Mapping[Ref,
                 if other != node.id and other in graph:
                     theirs = registry.get(graph[other].op).layer_ids(graph[other].params)
                     both = set(op.layer_ids(p)) & set(theirs)
-                    if both and graph.nodes.index(graph[other]) < graph.nodes.index(node):
+                    if both and graph.before(other, node.id):
                         raise fail(f"layer(s) {sorted(both)} of '{producer.id}' are already hooked by '{other}'",
                                    "params", hint="hook each layer once and read it from there")
     # dtypes

@@ -976,10 +976,14 @@ def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
         return None
     g0, g1 = prev.graph, typed.graph
     b0, b1 = g0._by_id, g1._by_id
-    # sorting again can change the order of the nodes it kept: which node reads a tensor last, then
-    reordered = g1.resorted and [n.id for n in g0.nodes if n.id in b1] != [n.id for n in g1.nodes if n.id in b0]
-    gone = [n for n in g0.nodes if b1.get(n.id) is not n]
-    made = [n for n in g1.nodes if b0.get(n.id) is not n]
+    ch = g1._change if g1.parent() is g0 else None
+    if ch is None:
+        # sorting again can change the order of the nodes it kept: which node reads a tensor last, then
+        reordered = g1.resorted and [n.id for n in g0.nodes if n.id in b1] != [n.id for n in g1.nodes if n.id in b0]
+        gone = [n for n in g0.nodes if b1.get(n.id) is not n]
+        made = [n for n in g1.nodes if b0.get(n.id) is not n]
+    else:      # what Graph.replace changed (NOTE [Incremental replace]): no pass over the graph
+        reordered, gone, made = ch.reordered, list(ch.gone), list(ch.made)
     # autograd's path is the same when the rewrite removes none of its nodes and makes none (no seed, nothing
     # reading it): every node it kept reads what it read, of the same kind
     grads = _frozen_grads(prev)
@@ -1002,7 +1006,11 @@ def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
     dirty = again | {n.id for n in made}
     c0, c1 = g0._consumers, g1._consumers
     if reordered:
-        read.update(r for r, readers in c1.items() if c0.get(r, ((None, None),))[-1][0] != readers[-1][0])
+        if ch is None:
+            read.update(r for r, readers in c1.items() if c0.get(r, ((None, None),))[-1][0] != readers[-1][0])
+        else:        # only what a node sorted again reads can have another last reader
+            read.update(r for i in ch.window for _, r in b1[i].inputs
+                        if c0.get(r, ((None, None),))[-1][0] != c1[r][-1][0])
     for r in read:
         readers0, readers1 = c0.get(r), c1.get(r)
         if readers0:
@@ -1053,7 +1061,7 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
     """(peak, curve) of a device after the rewrite prev -> typed, or (None, where the live bytes pass `limit`:
     live_peaks' `_over`), from the curve before (NOTE [Live curve]); None where a full replay is needed."""
     from itertools import accumulate
-    from operator import add
+    from operator import add, itemgetter
 
     ctx = typed.ctx
     direct = old.direct - sum(1 for n in delta.gone if n.device == device) + \
@@ -1085,9 +1093,7 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
             for k in prev.outputs_of(nid):
                 refsize.pop(Ref(nid, k), None)
     grads = _frozen_grads(typed)
-    for n in g1.nodes:
-        if n.id not in dirty:
-            continue
+    for n in sorted((g1[i] for i in dirty), key=lambda n: g1._key[n.id]):
         here = device in ctx.devices_of(n.device)
         seq = _BlockSeq(cuda)
         left: dict[Ref, int] = {}
@@ -1113,9 +1119,10 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
         fwd[n.id] = (seq.live, seq.peak)
         refsize.update(seq.made)
     nodes = g1.nodes
-    blocks = [fwd[n.id] for n in nodes]
-    pre = list(accumulate([b[0] for b in blocks], initial=0))
-    tops = list(map(add, pre, [b[1] for b in blocks]))
+    # the prefix sums and their maximum at C speed (map, accumulate): the only passes over every node left
+    blocks = list(map(fwd.__getitem__, g1.derived("ids", _ids, _ids_after)))
+    pre = list(accumulate(map(itemgetter(0), blocks), initial=0))
+    tops = list(map(add, pre, map(itemgetter(1), blocks)))
     top = max(tops, default=0)
     total = pre[-1]
     peak = old.load[1]
@@ -1134,6 +1141,16 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
         base += total + tail_delta
     return peak, _Curve(old.load, fwd, old.tails, old.grads, refsize, direct, owners,
                         old.count + _on(typed, delta.made, device) - _on(prev, delta.gone, device))
+
+
+def _ids(g) -> tuple[str, ...]:
+    from operator import attrgetter
+
+    return tuple(map(attrgetter("id"), g.nodes))
+
+
+def _ids_after(base, g, ch) -> tuple[str, ...]:
+    return _ids(g)
 
 
 def _on(typed: Typed, nodes, device: str) -> int:
@@ -1157,8 +1174,13 @@ def _flops(typed: Typed, prev: Typed | None) -> dict[str, int]:
         g0, g1 = prev.graph, typed.graph
         b0, b1 = g0._by_id, g1._by_id
         again = typed.cache["_reinferred"]
-        out = {n.id for n in g0.nodes if b1.get(n.id) is not n} | (again & b0.keys())
-        into = {n.id for n in g1.nodes if b0.get(n.id) is not n} | again
+        ch = g1._change if g1.parent() is g0 else None
+        if ch is None:
+            out = {n.id for n in g0.nodes if b1.get(n.id) is not n} | (again & b0.keys())
+            into = {n.id for n in g1.nodes if b0.get(n.id) is not n} | again
+        else:
+            out = {n.id for n in ch.gone} | (again & b0.keys())
+            into = {n.id for n in ch.made} | again
         acc = dict(old)
         for t, ids, sign in ((prev, out, -1), (typed, into, 1)):
             for nid in ids:
@@ -1166,10 +1188,36 @@ def _flops(typed: Typed, prev: Typed | None) -> dict[str, int]:
                 f = _cached_cost(t, n, nid in grads).flops * sign
                 for d in ctx.devices_of(n.device):
                     acc[d] = acc.get(d, 0) + f
-        order = dict.fromkeys(d for p in dict.fromkeys(n.device for n in g1.nodes) for d in ctx.devices_of(p))
-        flops = {d: acc[d] for d in order}
+        flops = {d: acc[d] for d in _device_order(prev, typed, ch)}
     typed.cache["_flops"] = flops
     return dict(flops)
+
+
+def _device_order(prev: Typed, typed: Typed, ch) -> dict:
+    """The physical devices in the order their placements first appear in the graph. Given what the rewrite
+    prev -> typed changed, prev's order while the rewrite removed, made and moved no node at or before the
+    first of its placement's nodes; else a pass."""
+    g1 = typed.graph
+    firsts = prev.cache.get("_first_placed") if ch is not None else None
+    if firsts is not None:
+        k0, k1 = prev.graph._key, g1._key
+        for n in ch.gone:
+            if firsts.get(n.device) == n.id:
+                firsts = None
+                break
+        else:
+            for i in (*(n.id for n in ch.made), *ch.moved):
+                p = g1[i].device
+                f = firsts.get(p)
+                if f is None or f == i or f not in k1 or k1[i] < k1[f] or k0.get(f) != k1[f]:
+                    firsts = None
+                    break
+    if firsts is None:
+        firsts = {}
+        for n in g1.nodes:
+            firsts.setdefault(n.device, n.id)
+    typed.cache["_first_placed"] = firsts
+    return dict.fromkeys(d for p in firsts for d in typed.ctx.devices_of(p))
 
 
 def _no_desc(typed: Typed, ref: Ref) -> str:

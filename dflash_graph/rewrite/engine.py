@@ -9,13 +9,15 @@ rises: legality comes from the traits, profitability from the cost model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
 from ..errors import GraphError, Problem
-from ..ir.graph import Graph, Node, Ref
+from ..ir.graph import Change, Graph, Node, Ref
 from ..analysis.infer import Typed, infer
+from ..ops import registry
 
 
 @attrs.frozen
@@ -33,6 +35,9 @@ class Rule:
     trait: str                              # the declared property that makes it legal
     doc: str
     match: Callable[[Typed, Node], Replacement | None]
+    # what the match at a node reads beyond its neighbourhood (NOTE [Resumed scan]): (old, new, what the rewrite
+    # changed) -> the ids of the nodes whose matches that rewrite may have changed
+    touches: Callable[[Typed, Typed, Change], Iterable[str]] | None = None
 
 
 @attrs.frozen
@@ -54,26 +59,22 @@ class ContractBroken(RuntimeError):
 
 
 # NOTE [Rewrite bound]: the driver takes, at every step, the first candidate in (node order, rule order) that
-# matches and does not raise a device's peak. Re-inference is incremental (NOTE [Incremental inference]) and the
-# scan's matches are cheap. A candidate rejected on one graph can be accepted on a later one (another rewrite
-# lowered the live bytes where it raised them), so the driver must consider it again after every accepted
-# rewrite; pricing it again each time made rewriting grow with the cube of the node count (24 CPU s at 300
-# nodes). A rejection certificate (NOTE [Rejection certificates]) re-rejects it without pricing while the
-# rewrites since cannot have changed the verdict, so the driver prices about one candidate per rewrite applied.
-# Pricing reads each device's peak off its live curve, updated where the rewrite changed it (analysis/memory.py,
-# NOTE [Live curve]), instead of replaying each device's allocations over the whole graph (NOTE [Rewrite
-# pricing]); what is left per rewrite is linear in the graph with small constants (building the new Graph,
-# incremental inference's pass over the nodes, the scan from the first node, the fingerprint, the curve's sum
-# and max), so rewriting still grows faster than the node count (exponent about 1.5 from 50 to 300 nodes).
-# benchmarks/check_scaling.py, CPU s on the shared 2-core machine (quiet to loaded): 0.2 to 0.3 at 100 nodes,
-# 0.4 to 0.8 at 150, 0.8 to 1.4 at 200, 1.4 to 2.0 at 250, 2.0 to 2.4 at 300, against 0.4 to 0.7, 1.1 to 1.6,
-# 1.9 to 2.9, 3.1 to 4.6 and 4.6 to 6.9 with a full replay per candidate. At 300 nodes (1.6 s) incremental
-# inference takes 39% (building Refs and types for the nodes it keeps), pricing 18%, Graph.replace 17%.
-# Training graphs have 10 to 40 nodes; a graph over the bound (under 2 s with a margin for the shared machine)
-# is refused with the bound named, and checks as written (--no-rewrite: linear, ~1.6 s at the 5,000-node
-# bound). Linear rewriting needs the rest to be incremental too (a Graph updated in place of rebuilt, the scan
-# resumed where the rewrite was, the fingerprint and the curve kept in trees).
-MAX_REWRITE_NODES = 200
+# matches and does not raise a device's peak. A candidate rejected on one graph can be accepted on a later one,
+# so the driver must consider it again after every accepted rewrite; a rejection certificate (NOTE [Rejection
+# certificates]) re-rejects it without pricing while the rewrites since cannot have changed the verdict, and
+# pricing reads each device's peak off its live curve (analysis/memory.py, NOTE [Live curve]). What each
+# rewrite costs is now mostly what it changed: the graph is patched, not rebuilt (ir/graph.py, NOTE
+# [Incremental replace]); inference visits the changed nodes and their readers (analysis/infer.py, NOTE
+# [Inference of a change]); the scan resumes where the rewrite was (NOTE [Resumed scan]); twins, replicas,
+# outputs kept, certificates, the live curves' dirty blocks and the FLOPs are read off what replace changed.
+# Left linear per rewrite, at C speed: the copies of the graph's and the typed graph's tables, and the live
+# curve's prefix sums and maximum over every node (a tree of blocks would make that logarithmic).
+# benchmarks/check_scaling.py (widened graphs, about 1.5 rewrites per node), CPU s on the shared 2-core machine:
+# 0.38 to 0.50 at 200 nodes, 0.72 to 1.22 at 400, 1.75 at 600, 2.5 at 800, 3.3 to 3.7 at 1,000 (exponent 1.1
+# to 1.2 from 200 on; before: 0.78 at 200, 3.4 at 400, 21 at 800, exponent 1.9 to 2.1). A graph over the bound
+# (under about 1.5 s with a margin for the shared machine) is refused with the bound named, and checks as written
+# (--no-rewrite: linear, ~1.6 s at the 5,000-node bound).
+MAX_REWRITE_NODES = 500
 
 Tables = Sequence[tuple[str, Sequence[Rule]]]
 Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed -> (peak per device, flops per device)
@@ -82,101 +83,258 @@ Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed
 def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = None,
             verify: bool = False, certificates: bool = True, curves: bool = True) -> tuple[Typed, list[Applied]]:
     """Run the tables to a fixpoint (NOTE [Fixpoint over all passes]). `verify` checks every step's incremental
-    re-inference against inference from scratch, prices every certified candidate anyway, and checks every
-    price read off the live curves against a full replay; `certificates=False` prices every candidate every
-    time, `curves=False` prices every candidate by a full replay (the same rewrites, slower: for tests)."""
-    applied: list[Applied] = []
+    re-inference against inference from scratch, checks every price read off the live curves against a full
+    replay, and checks every step against a full scan that prices every candidate (NOTE [Resumed scan]);
+    `certificates=False` prices every candidate every time, scanning from the first node after every rewrite,
+    `curves=False` prices every candidate by a full replay (the same rewrites, slower: for tests)."""
     if len(typed.graph) > MAX_REWRITE_NODES:
-        raise GraphError(Problem(f"the graph has {len(typed.graph):,} nodes, over the bound of {MAX_REWRITE_NODES} "
-                                 "for rewriting (its time grows faster than the node count)",
-                                 typed.ctx.spec.loc("nodes"),
-                                 hint="check or run it as written with --no-rewrite (linear in the node count)"))
+        raise GraphError(Problem(f"the graph has {len(typed.graph):,} nodes, over the bound of {MAX_REWRITE_NODES:,} "
+                                 "for rewriting", typed.ctx.spec.loc("nodes"),
+                                 hint="check or run it as written with --no-rewrite"))
     if max_steps is None:   # a rule applies a bounded number of times per node: the guard grows with the graph
         max_steps = 500 + 10 * len(typed.graph)
-    peaks, flops = costs(typed)
-    steps = 0
-    certs: dict[tuple[str, str], _Cert] = {}     # NOTE [Rejection certificates]
+    d = _Driver(typed, costs, max_steps, verify, certificates, curves)
     # NOTE [Fixpoint over all passes]: a later pass can enable an earlier one (merge_duplicates in `cleanup`
     # leaves a position-wise node with one reader, which `push_selections` then moves a gather through), so the
     # passes run again, in order, until a whole round applies nothing. The loop guard counts applied rewrites
     # only: a rejected candidate is never retried on the same graph, so rejections cannot loop.
     while True:
-        round_start = len(applied)
+        round_start = len(d.applied)
         for pass_name, rules in tables:
-            rejected: set[tuple[str, str, int]] = set()
-            changed = True
-            while changed:
-                changed = False
-                fp = _fingerprint(typed.graph)
-                for node in typed.graph.nodes:
-                    for rule in rules:
-                        key = (rule.name, node.id, fp)
-                        if key in rejected:
-                            continue
-                        rep = rule.match(typed, node)
-                        if rep is None:
-                            continue
-                        cert = certs.get((rule.name, node.id))
-                        sure = cert is not None and cert.rep == _rep_key(rep) and \
-                            peaks.get(cert.device, 0) <= cert.bound
-                        if sure and not verify:
-                            rejected.add(key)      # rejected again, without pricing (NOTE [Rejection certificates])
-                            continue
-                        graph = typed.graph.replace(rep.remove, rep.add, rep.redirect)
-                        try:
-                            new = infer(graph, typed.ctx, prev=typed)   # NOTE [Incremental inference]
-                        except GraphError as e:
-                            raise ContractBroken(f"rule {rule.name} at '{node.id}' produced an ill-typed graph:\n{e}") from e
-                        _check_outputs_kept(typed, new, rule)
-                        if _replicas(new) != _replicas(typed):
-                            rejected.add(key)      # NOTE [Replicas]
-                            continue
-                        # NOTE [Rewrite pricing]: a candidate is priced by replaying each device's allocations
-                        # (analysis/memory.live_peaks); with the current peaks as a bound the replay stops at the
-                        # first device whose live bytes pass its peak: the verdict is the same, reached sooner
-                        # NOTE [Live curve]: given the graph it was rewritten from, pricing updates each device's
-                        # live curve where the rewrite changed it instead of replaying the whole graph
-                        kw = {"prev": typed} if curves and getattr(costs, "incremental", False) else {}
-                        if not rep.always and getattr(costs, "bounded", False):
-                            priced = costs(new, bound=peaks, **kw)     # None: some device's peak rises
-                            if verify and kw:
-                                _check_pricing(new, costs, priced, peaks)
-                            if priced is None:
-                                cert = _certificate(typed, new, rep, peaks) if certificates else None
-                                if cert is not None:
-                                    certs[(rule.name, node.id)] = cert
-                                rejected.add(key)
-                                continue
-                        else:
-                            priced = costs(new, **kw)
-                            if verify and kw:
-                                _check_pricing(new, costs, priced, None)
-                        new_peaks, new_flops = priced
-                        if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
-                            rejected.add(key)
-                            continue
-                        if sure:
-                            raise ContractBroken(f"rule {rule.name} at '{node.id}': a rejection certificate held for a "
-                                                 "candidate that pricing accepts (NOTE [Rejection certificates])")
-                        steps += 1
-                        if steps > max_steps:
-                            raise RewriteLoopError(f"infinite loop in rewrite pass '{pass_name}': more than {max_steps} "
-                                                   f"rewrites (last: {rule.name} at '{node.id}')")
-                        applied.append(Applied(pass_name, rule.name, rule.trait, rep.touched or (node.id,),
-                                               {d: peaks.get(d, 0) - new_peaks.get(d, 0) for d in peaks},
-                                               {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
-                        if certs:
-                            certs = _still_certain(certs, typed, new)
-                        typed, peaks, flops = new, new_peaks, new_flops
-                        if verify:
-                            _check_incremental(typed)
-                        changed = True
-                        break
-                    if changed:
-                        break
-        if len(applied) == round_start:
+            d.run_pass(pass_name, rules)
+        if len(d.applied) == round_start:
             break
-    return typed, applied
+    return d.typed, d.applied
+
+
+# NOTE [Resumed scan]: the driver applies, at every step, the first candidate in (node order, rule order) that
+# matches and is accepted. Scanning again from the first node after every rewrite made each step linear in the
+# graph; instead the scan resumes: nodes from the frontier on have not been examined on this graph, and a node
+# before it is examined again only when the rewrite may have changed what it finds there:
+#   - its match may differ: the node is within the rewrite's footprint (_affected): a node the rewrite made,
+#     rewired, sorted again or gave other outputs, their producers, their readers and their readers' readers
+#     (a rule reads a node's producers, their inputs' types and the readers of what it reads), the readers of a
+#     tensor whose readers changed to or from one (a sole reader), what reads an integer tensor downstream of a
+#     changed node (an index chain, which gather_through_positionwise follows upstream), and what a rule
+#     declares it reads beyond that (`Rule.touches`: merge_duplicates' twins);
+#   - its verdict may differ: a candidate it had rejected without a rejection certificate that still holds for
+#     that replacement (NOTE [Rejection certificates]) is priced again, as the full scan would.
+# A node examined again finds, for every rule, no match or a rejected candidate, exactly when the full scan
+# would, so the rewrites applied and their order are the full scan's (a renamed fresh id can make the full scan
+# price a certified candidate again: pricing does not read names, so its verdict is the certificate's).
+# `certificates=False` is the full scan (every step from the first node); rewrite(verify=True) runs a full
+# scan that prices every match at every step and raises if it finds another first candidate;
+# tests/test_rewrite_properties.py and tests/test_rewrite_rules.py compare both on random and widened graphs.
+
+class _Driver:
+    def __init__(self, typed: Typed, costs: Costs, max_steps: int, verify: bool, certificates: bool, curves: bool):
+        self.typed, self.costs, self.max_steps = typed, costs, max_steps
+        self.verify, self.certificates, self.curves = verify, certificates, curves
+        self.peaks, self.flops = costs(typed)
+        _replicas(typed)
+        self.applied: list[Applied] = []
+        self.certs: dict[tuple[str, str], _Cert] = {}     # NOTE [Rejection certificates]
+
+    def run_pass(self, pass_name: str, rules: Sequence[Rule]) -> None:
+        import heapq
+
+        front = -1                     # nodes with an order key from here on are not examined on this graph
+        heap: list[tuple[int, str]] = []   # examined nodes to examine again (keys below the front)
+        queued: set[str] = set()
+        rejected: dict[str, dict[str, tuple]] = {}   # node -> rule -> the replacement it rejected there
+        while True:
+            g = self.typed.graph
+            while heap and (heap[0][1] not in g or g._key[heap[0][1]] != heap[0][0]):
+                queued.discard(heapq.heappop(heap)[1])     # removed, or sorted again (queued again then)
+            i = bisect_left(g._keys, front)
+            if heap and (i == len(g.nodes) or heap[0][0] < g._keys[i]):
+                nid = heapq.heappop(heap)[1]
+                queued.discard(nid)
+                node = g[nid]
+            elif i < len(g.nodes):
+                node = g.nodes[i]
+                front = g._keys[i] + 1
+            else:
+                if self.verify:
+                    self.check_scan(rules, None, None)
+                return
+            found = self.examine(node, rules, rejected)
+            if found is None:
+                continue
+            if self.verify:
+                self.check_scan(rules, node, found)
+            rule, rep, new, new_peaks, new_flops = found
+            old = self.typed
+            self.accept(pass_name, rule, rep, node, new, new_peaks, new_flops)
+            aff = None if not self.certificates else _affected(old, new, rules)
+            if aff is None:           # scan again from the first node
+                front, heap, rejected = -1, [], {}
+                queued.clear()
+                continue
+            gk = new.graph._key
+            for nid, reps in list(rejected.items()):
+                if nid not in gk:
+                    del rejected[nid]
+                elif any(not self.holds(name, nid, rk) for name, rk in reps.items()):
+                    aff.add(nid)
+            for nid in aff:
+                k = gk.get(nid)
+                if k is not None and k < front and nid not in queued:
+                    queued.add(nid)
+                    heapq.heappush(heap, (k, nid))
+
+    def holds(self, rule_name: str, nid: str, rk: tuple) -> bool:
+        cert = self.certs.get((rule_name, nid))
+        return cert is not None and cert.rep == rk and self.peaks.get(cert.device, 0) <= cert.bound
+
+    def examine(self, node: Node, rules: Sequence[Rule], rejected: dict):
+        """The first rule whose candidate at `node` is accepted: (rule, rep, new, peaks, flops); None if none is.
+        Notes in `rejected` what the node's rules proposed and had rejected."""
+        mine = rejected[node.id] = {}
+        for rule in rules:
+            rep = rule.match(self.typed, node)
+            if rep is None:
+                continue
+            got = self.attempt(node, rule, rep)
+            if got is None:
+                mine[rule.name] = _rep_key(rep)
+                continue
+            return (rule, rep, *got)
+        if not mine:
+            del rejected[node.id]
+        return None
+
+    def attempt(self, node: Node, rule: Rule, rep: Replacement, trial: bool = False):
+        """(new, peaks, flops) when the candidate is accepted, None when it is rejected. `trial`: price it
+        whatever its certificate says, and note nothing (verify's full scan)."""
+        typed, costs, peaks = self.typed, self.costs, self.peaks
+        cert = self.certs.get((rule.name, node.id))
+        sure = cert is not None and cert.rep == _rep_key(rep) and peaks.get(cert.device, 0) <= cert.bound
+        if sure and not self.verify and not trial:
+            return None          # rejected again, without pricing (NOTE [Rejection certificates])
+        graph = typed.graph.replace(rep.remove, rep.add, rep.redirect)
+        try:
+            new = infer(graph, typed.ctx, prev=typed)   # NOTE [Incremental inference]
+        except GraphError as e:
+            raise ContractBroken(f"rule {rule.name} at '{node.id}' produced an ill-typed graph:\n{e}") from e
+        _check_outputs_kept(typed, new, rule)
+        if _replicas(new, typed) != _replicas(typed):
+            return None          # NOTE [Replicas]
+        # NOTE [Rewrite pricing]: a candidate is priced by replaying each device's allocations
+        # (analysis/memory.live_peaks); with the current peaks as a bound the replay stops at the
+        # first device whose live bytes pass its peak: the verdict is the same, reached sooner
+        # NOTE [Live curve]: given the graph it was rewritten from, pricing updates each device's
+        # live curve where the rewrite changed it instead of replaying the whole graph
+        kw = {"prev": typed} if self.curves and getattr(costs, "incremental", False) else {}
+        if not rep.always and getattr(costs, "bounded", False):
+            priced = costs(new, bound=peaks, **kw)     # None: some device's peak rises
+            if self.verify and kw and not trial:
+                _check_pricing(new, costs, priced, peaks)
+            if priced is None:
+                if not trial:
+                    cert = _certificate(typed, new, rep, peaks) if self.certificates else None
+                    if cert is not None:
+                        self.certs[(rule.name, node.id)] = cert
+                return None
+        else:
+            priced = costs(new, **kw)
+            if self.verify and kw and not trial:
+                _check_pricing(new, costs, priced, None)
+        new_peaks, new_flops = priced
+        if not rep.always and any(new_peaks.get(d, 0) > peaks.get(d, 0) for d in peaks):
+            return None
+        if sure and not trial:
+            raise ContractBroken(f"rule {rule.name} at '{node.id}': a rejection certificate held for a "
+                                 "candidate that pricing accepts (NOTE [Rejection certificates])")
+        return new, new_peaks, new_flops
+
+    def accept(self, pass_name: str, rule: Rule, rep: Replacement, node: Node, new: Typed, new_peaks, new_flops):
+        if len(self.applied) >= self.max_steps:
+            raise RewriteLoopError(f"infinite loop in rewrite pass '{pass_name}': more than {self.max_steps} "
+                                   f"rewrites (last: {rule.name} at '{node.id}')")
+        peaks, flops = self.peaks, self.flops
+        self.applied.append(Applied(pass_name, rule.name, rule.trait, rep.touched or (node.id,),
+                                    {d: peaks.get(d, 0) - new_peaks.get(d, 0) for d in peaks},
+                                    {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
+        if self.certs:
+            self.certs = _still_certain(self.certs, self.typed, new)
+        self.typed, self.peaks, self.flops = new, new_peaks, new_flops
+        if self.verify:
+            _check_incremental(new)
+
+    def check_scan(self, rules: Sequence[Rule], node: Node | None, found) -> None:
+        """verify: the full scan (every node from the first, every match priced) finds the candidate the resumed
+        scan found first, or none where it found none up to here (NOTE [Resumed scan])."""
+        for n in self.typed.graph.nodes:
+            if node is not None and n.id == node.id:
+                for rule in rules:
+                    rep = rule.match(self.typed, n)
+                    if rep is not None and self.attempt(n, rule, rep, trial=True) is not None:
+                        if found is None or rule is not found[0]:
+                            raise ContractBroken(f"the resumed scan missed rule {rule.name} at '{n.id}'")
+                        return
+                if found is not None:
+                    raise ContractBroken(f"the resumed scan took rule {found[0].name} at '{n.id}', which a full "
+                                         "scan rejects")
+                return
+            for rule in rules:
+                rep = rule.match(self.typed, n)
+                if rep is not None and self.attempt(n, rule, rep, trial=True) is not None:
+                    raise ContractBroken(f"the resumed scan skipped rule {rule.name} at '{n.id}', which a full "
+                                         "scan accepts (NOTE [Resumed scan])")
+
+
+def _affected(old: Typed, new: Typed, rules: Sequence[Rule]) -> set[str] | None:
+    """The nodes whose matches the rewrite old -> new may have changed (NOTE [Resumed scan]); None where the
+    graph was rebuilt (no record of what changed): scan it all again."""
+    g0, g1 = old.graph, new.graph
+    ch = g1._change
+    if ch is None or g1.parent() is not g0:
+        return None
+    i0, i1 = old._outputs_index(), new._outputs_index()
+    core = {n.id for n in ch.gone} | {n.id for n in ch.made} | set(ch.moved)
+    core |= {nid for nid in new.cache.get("_reinferred", ()) if i0.get(nid) != i1.get(nid)
+             or old.params.get(nid) != new.params.get(nid)}
+    out = set(core)
+    refs: set[Ref] = set()
+    for nid in core:
+        for g in (g0, g1):
+            n = g._by_id.get(nid)
+            if n is not None:
+                for _, r in n.inputs:
+                    out.add(r.node)
+                    refs.add(r)
+    c0, c1 = g0._consumers, g1._consumers
+
+    def readers(nid: str) -> set[str]:
+        return {c for k in {**i0.get(nid, {}), **i1.get(nid, {})} for c, _ in c1.get(Ref(nid, k), ())}
+
+    hop = set()
+    for nid in core:
+        hop |= readers(nid)
+    out |= hop
+    for nid in hop:
+        out |= readers(nid)
+    for r in refs:     # a sole reader
+        if min(len(c0.get(r, ())), len(c1.get(r, ()))) <= 1:
+            out.update(c for c, _ in c1.get(r, ()))
+    # index chains: what reads integer tensors downstream of a changed node
+    ints = ("int64", "int32", "bool")
+    stack, seen = list(core), set(core)
+    while stack:
+        nid = stack.pop()
+        for t, idx in ((old, i0), (new, i1)):
+            for k, ty in idx.get(nid, {}).items():
+                if ty.dtype in ints:
+                    for c, _ in c1.get(Ref(nid, k), ()):
+                        out.add(c)
+                        if c not in seen:
+                            seen.add(c)
+                            stack.append(c)
+    for rule in rules:
+        if rule.touches is not None:
+            out.update(rule.touches(old, new, ch))
+    return out
 
 
 # NOTE [Rejection certificates]: a candidate rejected on one graph must be considered again on every later
@@ -268,18 +426,23 @@ def _still_certain(certs: dict, old: Typed, new: Typed) -> dict:
     from ..analysis.memory import load_signature
 
     g, g2 = old.graph, new.graph
-    pos = {n.id: i for i, n in enumerate(g.nodes)}
-    kept_objs = {id(n) for n in g2.nodes}
-    old_objs = {id(n) for n in g.nodes}
-    gone = [n for n in g.nodes if id(n) not in kept_objs]
-    made = [n for n in g2.nodes if id(n) not in old_objs]
+    ch = g2._change if g2.parent() is g else None
+    if ch is None:
+        pos = {n.id: i for i, n in enumerate(g.nodes)}
+        kept_objs = {id(n) for n in g2.nodes}
+        old_objs = {id(n) for n in g.nodes}
+        gone = [n for n in g.nodes if id(n) not in kept_objs]
+        made = [n for n in g2.nodes if id(n) not in old_objs]
+        end = len(pos)
+    else:      # positions compared only: the old graph's order keys (NOTE [Graph order keys])
+        pos, gone, made, end = g._key, list(ch.gone), list(ch.made), g._keys[-1] + 1 if g._keys else 0
     # a tensor's readers matter to a device's replay where it is made: on the devices its producer runs on
-    first_gone = min((pos[n.id] for n in gone), default=len(pos))
+    first_gone = min((pos[n.id] for n in gone), default=end)
     producers = {r.node for n in gone + made for _, r in n.inputs if r.node in pos}
     gone_ids = {n.id for n in gone}
     first: dict[str, int] = {}
     for d in {c.device for c in certs.values()}:
-        if load_signature(old, d) != load_signature(new, d):
+        if (load_signature(old, d) != load_signature(new, d)) if ch is None else _load_changed(old, new, ch, d):
             first[d] = -1
             continue
         first[d] = min([first_gone] + [pos[p] for p in producers if d in old.ctx.devices_of(g[p].device)])
@@ -302,6 +465,30 @@ def _still_certain(certs: dict, old: Typed, new: Typed) -> dict:
         return pos[c.witness] < at
 
     return {k: c for k, c in certs.items() if valid(c)}
+
+
+def _load_changed(old: Typed, new: Typed, ch: Change, device: str) -> bool:
+    """Whether the rewrite old -> new may change the device's load signature (memory.load_signature): which
+    components its nodes use, as counts, and its queued transfers. Read off what the rewrite changed, without a
+    pass over the graph; True where it may (a certificate is then dropped and its candidate priced again)."""
+    from ..analysis.memory import _owners
+
+    counts: dict[str, int] = {}
+    for t, nodes, sign in ((old, ch.gone, -1), (new, ch.made, 1)):
+        for n in nodes:
+            if device in t.ctx.devices_of(n.device):
+                for o in _owners(t, n):
+                    counts[o] = counts.get(o, 0) + sign
+    if any(counts.values()):
+        return True
+    again = new.cache.get("_reinferred", frozenset())
+    for t, ids in ((old, [n.id for n in ch.gone]), (new, [*(n.id for n in ch.made), *ch.moved, *again])):
+        for nid in ids:
+            n = t.graph._by_id.get(nid)
+            if n is not None and device in t.ctx.devices_of(n.device) and registry.get(n.op).traits.movement \
+                    and int(t.params[nid].get("queue", 1)) > 1:
+                return True
+    return False
 
 
 def _check_pricing(new: Typed, costs: Costs, priced, bound) -> None:
@@ -329,41 +516,42 @@ def _check_incremental(typed: Typed) -> None:
         raise ContractBroken(f"incremental re-inference differs from inferring the graph from scratch: {diff or 'order'}")
 
 
-def _replicas(typed: Typed) -> int:
+def _replicas(typed: Typed, prev: Typed | None = None) -> int:
     """NOTE [Replicas]: a step runs the graph once per replica of the widest group that has a node
     (exec/interpreter.py, analysis/memory.py), so a node on one device runs that many times per step. A rewrite
     that removed the last node of that group (a transfer round trip through it, say) would change how often
-    every other node runs: it is not taken."""
-    from ..analysis.launch import replicas
-
-    return replicas(typed)
-
-
-def _fingerprint(g: Graph) -> int:
-    return hash(tuple(_node_print(n) for n in g.nodes))
-
-
-_PRINTS: dict[int, tuple[Node, tuple]] = {}
-
-
-def _node_print(n: Node) -> tuple:
-    """A node's part of the graph's fingerprint, kept per node object (a rewrite keeps most of them)."""
-    hit = _PRINTS.get(id(n))
-    if hit is not None and hit[0] is n:
-        return hit[1]
-    if len(_PRINTS) > 200_000:
-        _PRINTS.clear()
-    part = (n.id, n.op, n.inputs, tuple(sorted((k, repr(v)) for k, v in n.params.items())), n.device)
-    _PRINTS[id(n)] = (n, part)
-    return part
+    every other node runs: it is not taken. Given `prev`, the graph `typed` was patched from, the count of
+    nodes per placement is prev's patched (NOTE [Incremental replace]); it is cached as analysis.launch.replicas
+    caches it."""
+    if "_replicas" in typed.cache:
+        return typed.cache["_replicas"]
+    g = typed.graph
+    ch = g._change if prev is not None and g.parent() is prev.graph else None
+    if ch is not None and "_placed" in prev.cache:
+        placed = dict(prev.cache["_placed"])
+        for n in ch.gone:
+            placed[n.device] -= 1
+        for n in ch.made:
+            placed[n.device] = placed.get(n.device, 0) + 1
+    else:
+        placed = {}
+        for n in g.nodes:
+            placed[n.device] = placed.get(n.device, 0) + 1
+    typed.cache["_placed"] = placed
+    typed.cache["_replicas"] = max((len(typed.ctx.devices_of(p)) for p, c in placed.items() if c), default=1)
+    return typed.cache["_replicas"]
 
 
 def _check_outputs_kept(old: Typed, new: Typed, rule: Rule) -> None:
     """Every graph result keeps its type: a sink's outputs (the loss), or what an `output` sink reads (it has no
     outputs: its input is the result). Rewrites never change what the graph computes."""
-    from ..ops import registry
-
-    for n in old.graph.nodes:
+    g0, g1 = old.graph, new.graph
+    ch = g1._change if g1.parent() is g0 else None
+    nodes = g0.nodes
+    if ch is not None:   # a result no node the rewrite changed or inferred again reads what it read, typed alike
+        ids = {n.id for n in ch.gone} | (new.cache.get("_reinferred", frozenset()) & g0._by_id.keys())
+        nodes = sorted((g0[i] for i in ids), key=lambda n: g0._key[n.id])
+    for n in nodes:
         if registry.get(n.op).traits.sink:
             if n.id not in new.graph:
                 raise ContractBroken(f"rule {rule.name} removed result {n.id}")

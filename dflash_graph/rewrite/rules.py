@@ -3,7 +3,7 @@ never because of a node's id or op name. docs/rules/ has one page per rule with 
 
 from __future__ import annotations
 
-from ..ir.graph import Node, Ref
+from ..ir.graph import Graph, Node, Ref
 from ..ops import registry
 from ..ops.contract import tokens
 from ..analysis.infer import Typed
@@ -242,7 +242,8 @@ def mergeable(op) -> bool:
 def _cse(typed: Typed, node: Node) -> Replacement | None:
     if not mergeable(_op(node)):
         return None
-    first = _first_twins(typed).get(_cse_key(node))
+    twins = _twins(typed.graph).get(_cse_key(node))
+    first = twins[0] if twins else None
     if first is None or first == node.id:     # the first node in order with this key is kept
         return None
     return Replacement(remove=(node.id,), redirect={Ref(node.id, k): Ref(first, k) for k in typed.outputs_of(node.id)},
@@ -253,22 +254,45 @@ def _cse_key(node: Node) -> tuple:
     return (node.op, node.inputs, tuple(sorted((k, repr(v)) for k, v in node.params.items())), node.device)
 
 
-def _first_twins(typed: Typed) -> dict[tuple, str]:
-    """The first node in order with each (op, inputs, params, device): built once per typed graph, so matching
-    every node costs linear time, not the square of the node count."""
-    index = typed.cache.get("_cse_first")
-    if index is None:
-        index = {}
-        for n in typed.graph.nodes:
+def _twins(graph: Graph) -> dict[tuple, tuple[str, ...]]:
+    """The mergeable nodes with each (op, inputs, params, device), in order: built once per graph, and for a
+    rewritten graph from the graph before it where the rewrite changed it (Graph.derived), so that matching every
+    node costs linear time in all, not the square of the node count."""
+    def build(g: Graph) -> dict:
+        index: dict[tuple, list[str]] = {}
+        for n in g.nodes:
             if mergeable(_op(n)):
-                index.setdefault(_cse_key(n), n.id)
-        typed.cache["_cse_first"] = index
-    return index
+                index.setdefault(_cse_key(n), []).append(n.id)
+        return {k: tuple(v) for k, v in index.items()}
+
+    def update(base: dict, g: Graph, ch) -> dict:
+        index = dict(base)
+        gone = {n.id for n in ch.gone}
+        for k in _changed_keys(g, ch):
+            ids = [i for i in index.get(k, ()) if i not in gone]
+            ids += [n.id for n in ch.made if mergeable(_op(n)) and _cse_key(n) == k]
+            if ids:
+                index[k] = tuple(sorted(set(ids), key=g._key.__getitem__))
+            else:
+                index.pop(k, None)
+        return index
+
+    return graph.derived("merge_duplicates", build, update)
+
+
+def _changed_keys(g: Graph, ch) -> set[tuple]:
+    return {_cse_key(n) for n in (*ch.gone, *ch.made, *(g[i] for i in ch.moved)) if mergeable(_op(n))}
+
+
+def _cse_touches(old: Typed, new: Typed, ch) -> list[str]:
+    """The nodes whose twins the rewrite changed (engine NOTE [Resumed scan])."""
+    twins = _twins(new.graph)
+    return [i for k in _changed_keys(new.graph, ch) for i in twins.get(k, ())]
 
 
 CSE = Rule("merge_duplicates", "Traits.pure + Traits.deterministic",
            "Two pure, deterministic nodes with the same op, params, inputs and device compute the same value: "
-           "keep the first.", _cse)
+           "keep the first.", _cse, touches=_cse_touches)
 
 
 # -- transfer round trip -----------------------------------------------------------------------------------------
