@@ -407,6 +407,7 @@ def _node_actions(typed: Typed, n: Node, cost: NodeCost, outs, compress: bool, d
             acts.append((False, (n.id, key), 0, f"{n.id}/{key}"))
     return acts
 
+
 def _repeat(seq: "_Seq", rep, nid: str) -> None:
     """A body forward's folded layers (ops/costs.Repeat) in a _Seq: the first repetition's events, then one
     allocator.Repeat marker for the others (NOTE [Folded replay]); the tensors the last repetition leaves alive
@@ -696,13 +697,16 @@ class _NoCacheResult:
     allocated_peak_index: int
     reserved_peak_index: int
     oom: _NoCacheOom | None
-    timeline: tuple[tuple[int, int], ...]
+    timeline: Sequence[tuple[int, int]]
 
 
 def _no_cache(events: list, usable: int) -> _NoCacheResult:
     """A CPU device's replay: live bytes only (the system allocator caches nothing). A Repeat marker's
-    repetitions each add nothing (NOTE [Layer folding]: the tensors alive after one are those before, shifted),
-    so each sees what the first saw: its timeline is the first's, as a run, and no new peak or OOM."""
+    repetitions of a layer each add nothing (NOTE [Layer folding]: the tensors alive after one are those before,
+    shifted), so each sees what the first saw: its timeline is the first's, as a run, and no new peak or OOM.
+    Repetitions that only allocate (the layers' weights) each add the same bytes: the timeline rises by them from
+    one to the next, the peak is at the last one's end, and the first allocation that does not fit is found in
+    closed form."""
     live = peak = 0
     peak_i = -1
     oom = None
