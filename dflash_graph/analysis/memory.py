@@ -862,8 +862,8 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
 # (the tensors they read and their sizes, whether they read them last, whether autograd saved them): the other
 # blocks, the load and the tails are the same, when
 #   - no node it changes, and none of those recomputed, is on autograd's path (grad_nodes, the same set before
-#     and after), captures or makes hooked layers, is a sink with outputs, or is on a group (the replica count);
-#     a node that uses model components leaves the device's load signature;
+#     and after), reads hooked layers or makes layers a hook node reads, is a sink with outputs, or is on a group
+#     (the replica count); a node that uses model components leaves the device's load signature;
 #   - the graph kept its order (not resorted) and the device still hosts (or still does not) a node of its own.
 # A transfer with a queue keeps q - 1 more buffers from the load on: a rewrite that removes, makes or re-infers
 # one moves the load's bytes by theirs (the load only allocates, so its rise is its delta and both move alike;
@@ -1035,7 +1035,8 @@ def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
         for n in nodes:
             op = registry.get(n.op)
             outs = t.outputs_of(n.id)
-            if n.id in grads or "taps" in outs or any(r in h0 or r in h1 for _, r in n.inputs) \
+            # (a forward whose taps no hook node reads allocates no hooked layer: its block is its own)
+            if n.id in grads or ("taps" in outs and hook_refs(t, n.id)) or any(r in h0 or r in h1 for _, r in n.inputs) \
                     or (op.traits.sink and outs):
                 return None
             if op.traits.movement:
