@@ -1288,6 +1288,8 @@ def live_peaks(typed: Typed, bound: Mapping[str, int] | None = None,
                 priced = _curve_price(old, delta, prev, typed, name, cuda, limit)
             if priced is None:          # the full replay
                 seq = _CurveSeq(cuda, limit)    # = events_peak(device_events(typed, name, 1, True)[0], cuda)
+                # (the nodes it goes through: the rewrite driver's replay budget, rewrite/engine.py)
+                typed.cache["_replayed_nodes"] = typed.cache.get("_replayed_nodes", 0) + counts[name]
                 try:
                     _device_events(typed, name, 1, True, seq)
                 except _OverLimit:

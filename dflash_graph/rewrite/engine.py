@@ -75,6 +75,17 @@ class ContractBroken(RuntimeError):
 # (under about 1.5 s with a margin for the shared machine) is refused with the bound named, and checks as written
 # (--no-rewrite: linear, ~1.6 s at the 5,000-node bound).
 MAX_REWRITE_NODES = 500
+# NOTE [Replay budget]: the times above hold where a rewrite is priced off the live curves. A rewrite that changes
+# a node on autograd's path, one reading hooked layers, a sink with outputs or a device's weights is priced by a
+# full replay of the device (analysis/memory.py, NOTE [Live curve]), linear in the graph, so a graph of hundreds
+# of such rewrites is quadratic: fuzzed graphs of 400 to 420 nodes (400 unread drafter norms, on autograd's path)
+# took 6 to 15 CPU s. Up to SMALL_REWRITE_NODES nodes (the bound before rewriting was incremental, where a replay
+# per candidate stays under about 1.5 s) every graph is rewritten; above it, the nodes the full replays go
+# through are counted, and past REPLAY_BUDGET (about 1 CPU s of replays, at 35 to 45 us per node) the graph is
+# refused with both bounds named (check it as written, --no-rewrite). The count is of work done, not of time:
+# the same graph is always answered the same way.
+SMALL_REWRITE_NODES = 200
+REPLAY_BUDGET = 25_000
 
 Tables = Sequence[tuple[str, Sequence[Rule]]]
 Costs = Callable[[Typed], tuple[Mapping[str, int], Mapping[str, int]]]   # typed -> (peak per device, flops per device)
@@ -131,6 +142,7 @@ class _Driver:
         self.typed, self.costs, self.max_steps = typed, costs, max_steps
         self.verify, self.certificates, self.curves = verify, certificates, curves
         self.peaks, self.flops = costs(typed)
+        self.replays = 0          # nodes replayed in full to price candidates (NOTE [Replay budget])
         _replicas(typed)
         self.applied: list[Applied] = []
         self.certs: dict[tuple[str, str], _Cert] = {}     # NOTE [Rejection certificates]
@@ -204,6 +216,17 @@ class _Driver:
             del rejected[node.id]
         return None
 
+    def replayed(self, new: Typed) -> None:
+        """Count the nodes the pricing of `new` replayed in full; past the budget, refuse (NOTE [Replay budget])."""
+        self.replays += new.cache.get("_replayed_nodes", 0)
+        n = len(new.graph)
+        if n > SMALL_REWRITE_NODES and self.replays > REPLAY_BUDGET and self.curves:
+            raise GraphError(Problem(
+                f"the graph has {n:,} nodes, and its rewrites change nodes that are priced by replaying a device in "
+                f"full (on autograd's path, reading hooked layers, a sink with outputs or a device's weights): over "
+                f"the budget of {REPLAY_BUDGET:,} node replays for rewriting a graph over {SMALL_REWRITE_NODES} "
+                "nodes", self.typed.ctx.spec.loc("nodes"), hint="check or run it as written with --no-rewrite"))
+
     def attempt(self, node: Node, rule: Rule, rep: Replacement, trial: bool = False):
         """(new, peaks, flops) when the candidate is accepted, None when it is rejected. `trial`: price it
         whatever its certificate says, and note nothing (verify's full scan)."""
@@ -228,6 +251,7 @@ class _Driver:
         kw = {"prev": typed} if self.curves and getattr(costs, "incremental", False) else {}
         if not rep.always and getattr(costs, "bounded", False):
             priced = costs(new, bound=peaks, **kw)     # None: some device's peak rises
+            self.replayed(new)
             if self.verify and kw and not trial:
                 _check_pricing(new, costs, priced, peaks)
             if priced is None:
@@ -238,6 +262,7 @@ class _Driver:
                 return None
         else:
             priced = costs(new, **kw)
+            self.replayed(new)
             if self.verify and kw and not trial:
                 _check_pricing(new, costs, priced, None)
         new_peaks, new_flops = priced
