@@ -31,12 +31,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
+from pyrsistent import pmap
 
 from ..ir.graph import Node, Ref
 from ..models.registry import ARCHS
 from ..ops import registry
 from ..ops.costs import CostContext, NodeCost, program_peak
 from ..units import DTYPE_BYTES, fmt_bytes
+from . import curve_tree
 from .allocator import AllocatorConfig, Event, Folded, Repeat, expand_events, round_size, simulate
 from .infer import Typed
 
@@ -869,10 +871,12 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
 
 class _Curve(NamedTuple):
     load: tuple[int, int]                   # (delta, rise) of the load phase
-    fwd: dict                               # node id -> (delta, rise) of its forward block, every iteration
+    fwd: Any                                # curve_tree of (order key, node id, delta, rise) of each node's
+                                            # forward block, every iteration (NOTE [Curve tree])
     tails: tuple[tuple[int, int], ...]      # per iteration: (delta, rise) of its backward and end
     grads: tuple[int, ...]                  # weight-gradient bytes live at the start of each iteration
-    refsize: dict                           # Ref -> the bytes allocated for it on the device
+    refsize: Any                            # PMap: Ref -> the bytes allocated for it on the device (persistent:
+                                            # a candidate's curve shares it, NOTE [Curve tree])
     direct: int                             # nodes placed on the device itself
     owners: dict                            # model component -> how many of the device's nodes use it
     count: int                              # nodes on the device (placed on it or on a group with it)
@@ -934,7 +938,9 @@ class _CurveSeq(_PeakSeq):
         self._close()
         if not self.same or self.load is None or len(self.tails) != len(self.starts):
             return None
-        return _Curve(self.load, self.fwd, tuple(self.tails), tuple(g for _, g in self.starts), self.refsize,
+        fwd, key = self.fwd, typed.graph._key
+        blocks = curve_tree.build((key[n.id], n.id, *fwd[n.id]) for n in typed.graph.nodes)
+        return _Curve(self.load, blocks, tuple(self.tails), tuple(g for _, g in self.starts), pmap(self.refsize),
                       sum(1 for n in typed.graph.nodes if n.device == device), _device_owners(typed, device),
                       _on(typed, typed.graph.nodes, device))
 
@@ -959,6 +965,7 @@ class _Delta(NamedTuple):
     made: list                # nodes of the new graph not in the old one
     dirty: frozenset          # ids of the new graph's nodes whose forward blocks change
     comps: bool               # a changed node uses model components (check the load signature)
+    moved: frozenset | None   # kept nodes with another order key; None: the keys may all differ (not patched)
 
 
 def _frozen_grads(typed: Typed) -> frozenset:
@@ -984,6 +991,7 @@ def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
         made = [n for n in g1.nodes if b0.get(n.id) is not n]
     else:      # what Graph.replace changed (NOTE [Incremental replace]): no pass over the graph
         reordered, gone, made = ch.reordered, list(ch.gone), list(ch.made)
+    moved = None if ch is None else ch.moved
     # autograd's path is the same when the rewrite removes none of its nodes and makes none (no seed, nothing
     # reading it): every node it kept reads what it read, of the same kind
     grads = _frozen_grads(prev)
@@ -1033,7 +1041,7 @@ def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
                 return None
             if changed and n.model and op.components:
                 comps = True
-    return _Delta(gone, made, frozenset(dirty), comps)
+    return _Delta(gone, made, frozenset(dirty), comps, moved)
 
 
 def _owners(typed: Typed, n: Node) -> set[str]:
@@ -1060,9 +1068,6 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
                  limit: int | None) -> tuple[int | None, Any] | None:
     """(peak, curve) of a device after the rewrite prev -> typed, or (None, where the live bytes pass `limit`:
     live_peaks' `_over`), from the curve before (NOTE [Live curve]); None where a full replay is needed."""
-    from itertools import accumulate
-    from operator import add, itemgetter
-
     ctx = typed.ctx
     direct = old.direct - sum(1 for n in delta.gone if n.device == device) + \
         sum(1 for n in delta.made if n.device == device)
@@ -1079,21 +1084,43 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
         owners = {o: c for o, c in owners.items() if c}
         if owners.keys() != old.owners.keys():
             return None
-    g1 = typed.graph
+    g0, g1 = prev.graph, typed.graph
     c1 = g1._consumers
-    fwd = dict(old.fwd)
-    refsize = dict(old.refsize)
+    k0, k1 = g0._key, g1._key
+    # the blocks: a new version of the tree (NOTE [Curve tree]), O(changed · log N), sharing the rest; the
+    # removed nodes and those with another key leave first (a made node can take a removed one's key)
+    fwd = old.fwd
+    if delta.moved is None:     # the graph was rebuilt, not patched: its keys can all differ (one pass)
+        blocks = {nid: (d, r) for _, nid, d, r in curve_tree.items(fwd)}
+        fwd = None
+    else:
+        blocks = None
+        for n in delta.gone:
+            fwd = curve_tree.delete(fwd, k0[n.id])
+        gone = {n.id for n in delta.gone}
+        for i in delta.moved:
+            if i in gone:
+                continue        # a rewired node: its old self left, its new self is made (and dirty)
+            if i not in delta.dirty:
+                b = curve_tree.get(fwd, k0[i])
+                fwd = curve_tree.assign(curve_tree.delete(fwd, k0[i]), k1[i], i, b.delta, b.rise)
+            else:
+                fwd = curve_tree.delete(fwd, k0[i])
+    refsize = old.refsize.evolver()
     for n in delta.gone:
-        fwd.pop(n.id, None)
         for k in prev.outputs_of(n.id):
-            refsize.pop(Ref(n.id, k), None)
+            r = Ref(n.id, k)
+            if r in refsize:
+                refsize.remove(r)
     dirty = delta.dirty
     for nid in dirty:
-        if nid in prev.graph:
+        if nid in g0:
             for k in prev.outputs_of(nid):
-                refsize.pop(Ref(nid, k), None)
+                r = Ref(nid, k)
+                if r in refsize:
+                    refsize.remove(r)
     grads = _frozen_grads(typed)
-    for n in sorted((g1[i] for i in dirty), key=lambda n: g1._key[n.id]):
+    for n in sorted((g1[i] for i in dirty), key=lambda n: k1[n.id]):
         here = device in ctx.devices_of(n.device)
         seq = _BlockSeq(cuda)
         left: dict[Ref, int] = {}
@@ -1116,15 +1143,18 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
         else:
             cost = NodeCost()
         _forward_node(seq, typed, n, here, cost, left, saved, grads, True, _no_desc)
-        fwd[n.id] = (seq.live, seq.peak)
-        refsize.update(seq.made)
-    nodes = g1.nodes
-    # the prefix sums and their maximum at C speed (map, accumulate): the only passes over every node left
-    blocks = list(map(fwd.__getitem__, g1.derived("ids", _ids, _ids_after)))
-    pre = list(accumulate(map(itemgetter(0), blocks), initial=0))
-    tops = list(map(add, pre, map(itemgetter(1), blocks)))
-    top = max(tops, default=0)
-    total = pre[-1]
+        if blocks is None:
+            fwd = curve_tree.assign(fwd, k1[n.id], n.id, seq.live, seq.peak)
+        else:
+            blocks[n.id] = (seq.live, seq.peak)
+        for r, size in seq.made.items():
+            refsize.set(r, size)
+    refsize = refsize.persistent()
+    if blocks is not None:
+        fwd = curve_tree.build((k1[n.id], n.id, *blocks[n.id]) for n in g1.nodes)
+    # P and max_k(P_k + rise_k) at the root, the first block over a bound a descent (NOTE [Curve tree])
+    top = curve_tree.top(fwd)
+    total = curve_tree.total(fwd)
     peak = old.load[1]
     base = old.load[0]
     if limit is not None and peak > limit:
@@ -1133,24 +1163,13 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
     for it, (tail_delta, tail_rise) in enumerate(old.tails):
         starts.append((base, old.grads[it]))
         if limit is not None and base + top > limit:
-            k = next(k for k, t in enumerate(tops) if base + t > limit)
-            return None, (device, nodes[k].id, it, starts[0], starts[-1])
+            return None, (device, curve_tree.first_over(fwd, limit - base).nid, it, starts[0], starts[-1])
         if limit is not None and base + total + tail_rise > limit:
             return None, (device, None, it, starts[0], starts[-1])
         peak = max(peak, base + top, base + total + tail_rise)
         base += total + tail_delta
     return peak, _Curve(old.load, fwd, old.tails, old.grads, refsize, direct, owners,
                         old.count + _on(typed, delta.made, device) - _on(prev, delta.gone, device))
-
-
-def _ids(g) -> tuple[str, ...]:
-    from operator import attrgetter
-
-    return tuple(map(attrgetter("id"), g.nodes))
-
-
-def _ids_after(base, g, ch) -> tuple[str, ...]:
-    return _ids(g)
 
 
 def _on(typed: Typed, nodes, device: str) -> int:
