@@ -49,7 +49,21 @@ class Node:
                  left: Node | None, right: Node | None):
         self.key, self.nid, self.delta, self.rise, self.prio = key, nid, delta, rise, prio
         self.left, self.right = left, right
-        self._fix()
+        # the aggregates (as _fix, inlined: a candidate builds tens of nodes per device)
+        if left is not None:
+            lt = left.total
+            top = lt + rise
+            if left.top > top:
+                top = left.top
+        else:
+            lt = 0
+            top = rise
+        mid = lt + delta
+        if right is not None:
+            if mid + right.top > top:
+                top = mid + right.top
+            mid += right.total
+        self.total, self.top = mid, top
 
     def _fix(self) -> None:
         left, right = self.left, self.right
