@@ -864,8 +864,11 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
 #     or is a transfer with a queue; a node that uses model components leaves the device's load signature;
 #   - the graph kept its order (not resorted) and the device still hosts (or still does not) a node of its own.
 # Otherwise (and for the first graph) the device is replayed in full. The peak, and where the live bytes first
-# pass a bound (for rejection certificates), are read off the curve: the same answer as the replay, in time
-# linear in the graph with a small constant (one sum and one max over a list) instead of a replay;
+# pass a bound (for rejection certificates), are read off the curve: the same answer as the replay. The blocks
+# sit in a persistent tree keyed by the nodes' order keys (analysis/curve_tree.py, NOTE [Curve tree]) that keeps
+# P and max_k(P_k + rise_k) at its root, and the tensors' sizes in a persistent map (pyrsistent's PMap): a
+# candidate's curve is a new version sharing its parent's, built in O(changed · log N) (before, a copy of both
+# tables and one sum and one max over every node: O(N) per candidate and device);
 # tests/test_rewrite_properties.py checks that pricing with and without curves applies the same rewrites on
 # random graphs, and rewrite(verify=True) compares every priced candidate with a full replay.
 
