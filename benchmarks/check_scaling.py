@@ -9,7 +9,7 @@ exponent log(time ratio) / log(size ratio) (1: linear, 2: square, 3: cube), meas
     python benchmarks/check_scaling.py --nodes 50 100 --written 1000 --layers 2 64 --graph graphs/qwen27b.toml
     python benchmarks/check_scaling.py --nodes 200 400 800 1000 --lift-rewrite-bound   # past the rewrite bound
 
-A size over a bound is reported as refused, with the bound: rewriting at 500 nodes (rewrite/engine.py, NOTE
+A size over a bound is reported as refused, with the bound: rewriting at 400 nodes (rewrite/engine.py, NOTE
 [Rewrite bound]; larger graphs check as written, --no-rewrite), 5,000 nodes (MAX_NODES) and 10,000 layers
 (analysis/infer.py, NOTE [Layer bound]; identical layers are folded, NOTE [Layer folding]).
 """
