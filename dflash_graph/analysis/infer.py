@@ -323,6 +323,19 @@ def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
 # inferring the graph from scratch, in the same order (tests/test_rewrite_properties.py checks it on random
 # graphs; `rewrite(verify=True)` checks it after every rewrite).
 
+def _record(nid: str, p, outs, params: dict, types: dict, handles: set, index: dict, reinferred: list) -> None:
+    """A node just inferred: its params, its outputs' types (and which are handles), its row of the outputs_of
+    index, and that it was inferred again (both inference paths)."""
+    params[nid] = p
+    reinferred.append(nid)
+    for name, t in outs.items():
+        r = Ref(nid, name)
+        types[r] = t
+        if t.dtype == "handle":
+            handles.add(r)
+    index[nid] = dict(outs)
+
+
 def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     if prev is not None and prev.ctx is ctx and graph._change is not None and graph.parent() is prev.graph:
         return _infer_changed(graph, ctx, prev)
@@ -366,14 +379,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
             problems.append(e.problem)
             failed.add(nid)
             continue
-        params[nid] = p
-        reinferred.append(nid)
-        for name, t in outs.items():
-            r = Ref(nid, name)
-            types[r] = t
-            if t.dtype == "handle":
-                handles.add(r)
-        index[nid] = dict(outs)
+        _record(nid, p, outs, params, types, handles, index, reinferred)
         if old is not None and (was is None or prev_index.get(nid) != outs):
             changed.add(nid)
     if problems:
@@ -498,14 +504,7 @@ def _infer_changed(graph: Graph, ctx: GraphContext, prev: Typed) -> Typed:
             readers_of(nid, prev_index.get(nid, ()))
             continue
         drop(nid)
-        params[nid] = p
-        reinferred.append(nid)
-        for name, t in outs.items():
-            r = Ref(nid, name)
-            types[r] = t
-            if t.dtype == "handle":
-                handles.add(r)
-        index[nid] = dict(outs)
+        _record(nid, p, outs, params, types, handles, index, reinferred)
         if nid not in old_by_id or prev_index.get(nid) != outs:
             readers_of(nid, set(outs) | set(prev_index.get(nid, ())))
     if problems:

@@ -410,6 +410,17 @@ def _node_actions(typed: Typed, n: Node, cost: NodeCost, outs, compress: bool, d
     return acts
 
 
+def _write_out(seq, rep, nid: str, reps) -> None:
+    """Repetitions `reps` of a body forward's folded layers (ops/costs.Repeat), each step as its own call."""
+    for j in reps:
+        for kind, tpl, size in rep.steps:
+            key = (nid, rep.key(tpl, j))
+            if kind == "alloc":
+                seq.alloc(key, size, f"{nid}/{key[1]}")
+            else:
+                seq.free(key, f"{nid}/{key[1]}")
+
+
 def _repeat(seq: "_Seq", rep, nid: str) -> None:
     """A body forward's folded layers (ops/costs.Repeat) in a _Seq: the first repetition's events, then one
     allocator.Repeat marker for the others (NOTE [Folded replay]); the tensors the last repetition leaves alive
@@ -434,13 +445,7 @@ def _repeat(seq: "_Seq", rep, nid: str) -> None:
     if more <= 0:
         return
     if any(ev.op == "free" and ev.tensor < lo - stride for ev in events[start:]):
-        for j in range(1, rep.times):
-            for kind, tpl, size in rep.steps:
-                key = (nid, rep.key(tpl, j))
-                if kind == "alloc":
-                    seq.alloc(key, size, f"{nid}/{key[1]}")
-                else:
-                    seq.free(key, f"{nid}/{key[1]}")
+        _write_out(seq, rep, nid, range(1, rep.times))
         return
 
     def label(k: int, i: int) -> str:
@@ -491,13 +496,7 @@ def _forward_node(seq, typed: Typed, n: Node, here: bool, cost: NodeCost, left: 
         else:
             for is_alloc, key, size, lab in acts:
                 if is_alloc is None:    # a Repeat, written out
-                    for j in range(key.times):
-                        for kind, tpl, sz in key.steps:
-                            k = key.key(tpl, j)
-                            if kind == "alloc":
-                                seq.alloc((size, k), sz, f"{size}/{k}")
-                            else:
-                                seq.free((size, k), f"{size}/{k}")
+                    _write_out(seq, key, size, range(key.times))
                 elif is_alloc:
                     seq.alloc(key, size, lab)
                 else:
@@ -663,6 +662,15 @@ def drawable(typed: Typed, flag: str) -> None:
                      "models.NAME.config.num_hidden_layers=...): its layers repeat the same way"))
 
 
+def _repetition(events: list, j: int, rounded: bool = False) -> tuple[list, int, bool]:
+    """The Repeat marker at events[j]: its repetition's events, the live bytes each repetition adds (block sizes
+    rounded like the CUDA allocator's with `rounded`), and whether it only allocates. A layer's repetition adds
+    nothing (NOTE [Layer folding]); the layers' weights only allocate."""
+    rep = events[j - events[j].length:j]
+    delta = sum((round_size(e.size) if rounded and e.size else e.size) * (1 if e.op == "alloc" else -1) for e in rep)
+    return rep, delta, all(e.op == "alloc" for e in rep)
+
+
 def _label_at(events: list, i: int) -> str:
     """The label of event i of an event list with Repeat markers, counting every event they stand for ("" past
     the end, or for i < 0)."""
@@ -717,9 +725,8 @@ def _no_cache(events: list, usable: int) -> _NoCacheResult:
     i = 0
     for j, ev in enumerate(events):
         if type(ev) is Repeat:
-            rep = events[j - ev.length:j]
-            delta = sum(e.size if e.op == "alloc" else -e.size for e in rep)
-            if delta and not all(e.op == "alloc" for e in rep):
+            rep, delta, allocs_only = _repetition(events, j)
+            if delta and not allocs_only:
                 return _no_cache(expand_events(events), usable)
             if delta and oom is None:       # only allocations: the first that does not fit, in closed form
                 live0 = live - delta        # at the start of the written repetition (0)
@@ -799,9 +806,8 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
                 # every repetition of a layer starts with the live bytes the first did (NOTE [Layer folding]) and
                 # makes the same curve: no new peak; one that only allocates (the layers' weights) rises through
                 # them all: the last one's end is the highest
-                rep = events[j - ev.length:j]
-                delta = sum(e.size if e.op == "alloc" else -e.size for e in rep)
-                if delta and not all(e.op == "alloc" for e in rep):
+                rep, delta, allocs_only = _repetition(events, j)
+                if delta and not allocs_only:
                     raise AssertionError(f"{name}: a folded repetition both frees and changes the live bytes")
                 if delta:
                     live += (ev.times - 1) * delta
@@ -1379,10 +1385,8 @@ def events_peak(events, rounded: bool = False) -> int:
     live = peak = 0
     for j, ev in enumerate(events):
         if type(ev) is Repeat:
-            rep = events[j - ev.length:j]
-            delta = sum((round_size(e.size) if rounded and e.size else e.size) * (1 if e.op == "alloc" else -1)
-                        for e in rep)
-            if delta and not all(e.op == "alloc" for e in rep):
+            _, delta, allocs_only = _repetition(events, j, rounded)
+            if delta and not allocs_only:
                 return events_peak(expand_events(events), rounded)
             live += ev.times * delta        # rising through every repetition, or back where it was
             peak = max(peak, live)
