@@ -7,10 +7,11 @@ path, node, expected vs actual and the current dim bindings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import immutables
 
 from ..errors import GraphError, Location, Problem, did_you_mean, short
 from ..ir.dims import MAX_DIM, DimEnv, DimError
@@ -57,6 +58,32 @@ def _spec_node(spec: GraphSpec, index: int):
     return next(n for n in spec.nodes if n.index == index)
 
 
+class NodeCache:
+    """Per node, values derived from the node and its types alone (its cost: analysis/memory._cached_cost). A
+    persistent map (NOTE [Inference of a change]): a rewrite's typed graph shares its parent's entries, and an
+    entry added later to one is not seen by the other."""
+    __slots__ = ("map",)
+
+    def __init__(self, m: immutables.Map | None = None):
+        self.map = m if m is not None else immutables.Map()
+
+    def setdefault(self, nid: str, default: dict) -> dict:
+        got = self.map.get(nid)
+        if got is None:
+            got = default
+            self.map = self.map.set(nid, default)
+        return got
+
+    def get(self, nid: str, default=None):
+        return self.map.get(nid, default)
+
+    def __contains__(self, nid: str) -> bool:
+        return nid in self.map
+
+    def __getitem__(self, nid: str) -> dict:
+        return self.map[nid]
+
+
 @attrs.frozen
 class Typed:
     """A graph with a type for every output it produces."""
@@ -67,7 +94,7 @@ class Typed:
     cache: dict = attrs.field(factory=dict, eq=False, repr=False)   # derived values of the whole typed graph
     # derived values of one node that depend only on the node and its input and output types (its cost): a
     # rewrite's re-inference hands them on for every node it leaves as it was (NOTE [Incremental inference])
-    node_cache: dict = attrs.field(factory=dict, eq=False, repr=False)
+    node_cache: "NodeCache" = attrs.field(factory=lambda: NodeCache(), eq=False, repr=False)
 
     def outputs_of(self, nid: str) -> dict[str, TensorType]:
         return dict(self._outputs_index().get(nid, {}))
@@ -323,7 +350,7 @@ def _is_dim_expr(v: str, env: DimEnv, spec: GraphSpec) -> bool:
 # inferring the graph from scratch, in the same order (tests/test_rewrite_properties.py checks it on random
 # graphs; `rewrite(verify=True)` checks it after every rewrite).
 
-def _record(nid: str, p, outs, params: dict, types: dict, handles: set, index: dict, reinferred: list) -> None:
+def _record(nid: str, p, outs, params, types, handles, index, reinferred: list) -> None:
     """A node just inferred: its params, its outputs' types (and which are handles), its row of the outputs_of
     index, and that it was inferred again (both inference paths)."""
     params[nid] = p
@@ -332,7 +359,7 @@ def _record(nid: str, p, outs, params: dict, types: dict, handles: set, index: d
         r = Ref(nid, name)
         types[r] = t
         if t.dtype == "handle":
-            handles.add(r)
+            handles[r] = None
     index[nid] = dict(outs)
 
 
@@ -343,7 +370,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     params: dict[str, Mapping[str, Any]] = {}
     node_cache: dict[str, dict] = {}
     index: dict[str, dict[str, TensorType]] = {}      # the result's outputs_of, built on the way
-    handles: set[Ref] = set()                          # outputs typed 'handle' (a forward's taps)
+    handles: dict[Ref, None] = {}                      # outputs typed 'handle' (a forward's taps)
     problems: list[Problem] = []
     failed: set[str] = set()
     reinferred: list[str] = []                         # nodes inferred again (analysis/memory: NOTE [Live curve])
@@ -353,7 +380,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
         prev_index = prev._outputs_index()
         prev_handles = prev._handles()
         # nodes whose outputs are not what they were: removed ones, and (below) those inferred again to other types
-        changed: set[str] = old_by_id.keys() - graph._by_id.keys()
+        changed: set[str] = {i for i in old_by_id if i not in graph._by_id}
     for node in graph.nodes:
         nid, inputs = node.id, node.inputs
         if failed and any(r.node in failed for _, r in inputs):
@@ -368,7 +395,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
                 r = Ref(nid, name)
                 types[r] = t
                 if r in prev_handles:
-                    handles.add(r)
+                    handles[r] = None
             index[nid] = outs
             if nid in prev.node_cache:   # a forward's cost is keyed by its hooks (memory._cached_cost)
                 node_cache[nid] = prev.node_cache[nid]
@@ -384,7 +411,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
             changed.add(nid)
     if problems:
         raise GraphError(problems)
-    typed = Typed(graph, ctx, types, params, node_cache=node_cache)
+    typed = Typed(graph, ctx, types, params, node_cache=NodeCache(immutables.Map(node_cache)))
     typed.cache["_outputs_of"] = index
     typed.cache["_handles"] = frozenset(handles)
     if old is not None:
@@ -394,22 +421,40 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
 
 # NOTE [Inference of a change]: when `graph` is `prev.graph` patched by Graph.replace (NOTE [Incremental
 # replace]), what it changed is known (`graph._change`), so incremental inference starts from prev's tables
-# (C-level copies) and visits, in order (a heap of order keys), only: the nodes the rewrite made or rewired;
-# the readers of a handle whose readers it changed or reordered (their legality depends on the sibling hooks);
-# and, downstream, the readers of every node whose outputs came out other than they were (or that failed:
-# its readers fail with it). A node it does not visit reads what it read, with the same types, and is its old
-# self: NOTE [Incremental inference]'s pass keeps its result too. The tables are patched, so their insertion
-# order is not the graph's: they are _InOrder dicts, which iterate in the graph's order (as inferring from
-# scratch builds them; tests/test_rewrite_properties.py, property g, compares them in order).
+# and visits, in order (a heap of order keys), only: the nodes the rewrite made or rewired; the readers of a
+# handle whose readers it changed or reordered (their legality depends on the sibling hooks); and, downstream,
+# the readers of every node whose outputs came out other than they were (or that failed: its readers fail with
+# it). A node it does not visit reads what it read, with the same types, and is its old self: NOTE [Incremental
+# inference]'s pass keeps its result too. The tables (types, params, the outputs_of index, the handles, the
+# node cache) are persistent maps (immutables.Map, a HAMT: NOTE [Persistent tables] in ir/graph.py): the new
+# ones share prev's and cost what the rewrite changed times log N, not a copy of every table per candidate. A
+# persistent map has no order, so types and params are _InOrder tables, which iterate in the graph's order
+# (as inferring from scratch builds them; tests/test_rewrite_properties.py, property g, compares them in order).
 
-class _InOrder(dict):
-    """A dict that iterates in the order of a graph's nodes (NOTE [Inference of a change]); lookups are dict's."""
-    __slots__ = ("_order", "_keys", "_plain")
+class _InOrder(Mapping):
+    """A persistent map that iterates in the order of a graph's nodes (NOTE [Inference of a change]); lookups
+    are immutables.Map's."""
+    __slots__ = ("_map", "_order", "_keys")
+
+    def __init__(self, m: immutables.Map, order: Callable[[], list]):
+        self._map, self._order, self._keys = m, order, None
 
     def _in_order(self) -> list:
         if self._keys is None:
             self._keys = self._order()
         return self._keys
+
+    def __getitem__(self, k):
+        return self._map[k]
+
+    def get(self, k, default=None):
+        return self._map.get(k, default)
+
+    def __contains__(self, k) -> bool:
+        return k in self._map
+
+    def __len__(self) -> int:
+        return len(self._map)
 
     def keys(self):
         return list(self._in_order())
@@ -418,40 +463,43 @@ class _InOrder(dict):
         return iter(self._in_order())
 
     def items(self):
-        get = dict.__getitem__
-        return [(k, get(self, k)) for k in self._in_order()]
+        get = self._map.__getitem__
+        return [(k, get(k)) for k in self._in_order()]
 
     def values(self):
-        get = dict.__getitem__
-        return [get(self, k) for k in self._in_order()]
+        get = self._map.__getitem__
+        return [get(k) for k in self._in_order()]
 
     def __reduce__(self):
         return dict, (dict(self.items()),)
 
 
-def _in_order(d: dict, order) -> _InOrder:
-    out = _InOrder(d)
-    out._order = order
-    out._keys = None
-    out._plain = d        # the same items in a plain dict: copied at C speed (dict.copy of an _InOrder iterates)
-    return out
-
-
-def _plain(d: Mapping) -> dict:
-    return d._plain if type(d) is _InOrder else d
+def _persistent(typed: Typed, name: str, table: Any) -> immutables.Map:
+    """A table of `typed` as a persistent map: its own when it was patched, else made once (a graph inferred
+    from scratch has plain dicts: every candidate rewrite of it starts from the same map)."""
+    if type(table) is _InOrder:
+        return table._map
+    if isinstance(table, immutables.Map):
+        return table
+    key = f"_map_{name}"
+    hit = typed.cache.get(key)
+    if hit is None:
+        hit = typed.cache[key] = immutables.Map(table.items()) if isinstance(table, Mapping) else \
+            immutables.Map((k, None) for k in table)
+    return hit
 
 
 def _infer_changed(graph: Graph, ctx: GraphContext, prev: Typed) -> Typed:
     import heapq
 
     change = graph._change
-    types = dict.copy(_plain(prev.types))
-    params = dict.copy(_plain(prev.params))
+    types = _persistent(prev, "types", prev.types).mutate()
+    params = _persistent(prev, "params", prev.params).mutate()
     prev_index = prev._outputs_index()
-    index = dict(prev_index)
-    node_cache = dict(prev.node_cache)
+    index = _persistent(prev, "index", prev_index).mutate()
+    node_cache = prev.node_cache.map.mutate()
     prev_handles = prev._handles()
-    handles = set(prev_handles)
+    handles = _persistent(prev, "handles", prev_handles).mutate()
     by_id, key, consumers = graph._by_id, graph._key, graph._consumers
     old_by_id = prev.graph._by_id
 
@@ -459,7 +507,7 @@ def _infer_changed(graph: Graph, ctx: GraphContext, prev: Typed) -> Typed:
         for k in index.pop(nid, ()):
             r = Ref(nid, k)
             del types[r]
-            handles.discard(r)
+            handles.pop(r, None)
         params.pop(nid, None)
         node_cache.pop(nid, None)
 
@@ -475,7 +523,7 @@ def _infer_changed(graph: Graph, ctx: GraphContext, prev: Typed) -> Typed:
         if n.id not in by_id:          # what read a removed node (unless rewired) is inferred again: it fails
             for k in prev_index.get(n.id, ()):
                 todo.update(c for c, _ in consumers.get(Ref(n.id, k), ()))
-    todo &= by_id.keys()
+    todo = {i for i in todo if i in by_id}
     heap = [(key[nid], nid) for nid in todo]
     heapq.heapify(heap)
     problems: list[Problem] = []
@@ -510,11 +558,13 @@ def _infer_changed(graph: Graph, ctx: GraphContext, prev: Typed) -> Typed:
     if problems:
         raise GraphError(problems)
     nodes = graph.nodes
+    index, params = index.finish(), params.finish()
     typed = Typed(graph, ctx,
-                  _in_order(types, lambda: [Ref(n.id, k) for n in nodes for k in index.get(n.id, ())]),
-                  _in_order(params, lambda: [n.id for n in nodes if n.id in params]), node_cache=node_cache)
+                  _InOrder(types.finish(), lambda: [Ref(n.id, k) for n in nodes for k in index.get(n.id, ())]),
+                  _InOrder(params, lambda: [n.id for n in nodes if n.id in params]),
+                  node_cache=NodeCache(node_cache.finish()))
     typed.cache["_outputs_of"] = index
-    typed.cache["_handles"] = frozenset(handles)
+    typed.cache["_handles"] = handles.finish()
     typed.cache["_reinferred"] = frozenset(reinferred)
     return typed
 

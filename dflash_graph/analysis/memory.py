@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
-from pyrsistent import pmap
+import immutables
 
 from ..ir.graph import Node, Ref
 from ..models.registry import ARCHS
@@ -879,7 +879,7 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
 # Otherwise (and for the first graph) the device is replayed in full. The peak, and where the live bytes first
 # pass a bound (for rejection certificates), are read off the curve: the same answer as the replay. The blocks
 # sit in a persistent tree keyed by the nodes' order keys (analysis/curve_tree.py, NOTE [Curve tree]) that keeps
-# P and max_k(P_k + rise_k) at its root, and the tensors' sizes in a persistent map (pyrsistent's PMap): a
+# P and max_k(P_k + rise_k) at its root, and the tensors' sizes in a persistent map (immutables.Map): a
 # candidate's curve is a new version sharing its parent's, built in O(changed · log N) (before, a copy of both
 # tables and one sum and one max over every node: O(N) per candidate and device);
 # tests/test_rewrite_properties.py checks that pricing with and without curves applies the same rewrites on
@@ -891,11 +891,15 @@ class _Curve(NamedTuple):
                                             # forward block, every iteration (NOTE [Curve tree])
     tails: tuple[tuple[int, int], ...]      # per iteration: (delta, rise) of its backward and end
     grads: tuple[int, ...]                  # weight-gradient bytes live at the start of each iteration
-    refsize: Any                            # PMap: Ref -> the bytes allocated for it on the device (persistent:
-                                            # a candidate's curve shares it, NOTE [Curve tree])
+    refsize: Any                            # immutables.Map: Ref -> the bytes allocated for it on the device
+                                            # (persistent: a candidate's curve shares it, NOTE [Curve tree])
     direct: int                             # nodes placed on the device itself
     owners: dict                            # model component -> how many of the device's nodes use it
     count: int                              # nodes on the device (placed on it or on a group with it)
+    saved: frozenset                        # the tensors autograd keeps for a backward on the device: those a
+                                            # node on autograd's path there reads on a port its cost saves. A
+                                            # rewrite priced off the curve changes no such node (_rewrite_delta),
+                                            # so the set is handed on, and a tensor's readers are not scanned
 
 
 class _CurveSeq(_PeakSeq):
@@ -956,9 +960,9 @@ class _CurveSeq(_PeakSeq):
             return None
         fwd, key = self.fwd, typed.graph._key
         blocks = curve_tree.build((key[n.id], n.id, *fwd[n.id]) for n in typed.graph.nodes)
-        return _Curve(self.load, blocks, tuple(self.tails), tuple(g for _, g in self.starts), pmap(self.refsize),
-                      sum(1 for n in typed.graph.nodes if n.device == device), _device_owners(typed, device),
-                      _on(typed, typed.graph.nodes, device))
+        return _Curve(self.load, blocks, tuple(self.tails), tuple(g for _, g in self.starts),
+                      immutables.Map(self.refsize), sum(1 for n in typed.graph.nodes if n.device == device),
+                      _device_owners(typed, device), _on(typed, typed.graph.nodes, device), _saved(typed, device))
 
 
 class _BlockSeq(_PeakSeq):
@@ -1044,7 +1048,7 @@ def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
             dirty.add(readers1[-1][0])
         if (not readers0) != (not readers1):
             dirty.add(r.node)         # an output nobody reads now, or read now (its producer frees it at once)
-    dirty &= b1.keys()
+    dirty = {i for i in dirty if i in b1}
     h0, h1 = prev._handles(), typed._handles()
     comps = False
     queues: list = []
@@ -1147,20 +1151,17 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
             fwd = curve_tree.delete(fwd, k0[i])
         for k, i, d, r in keep:
             fwd = curve_tree.assign(fwd, k, i, d, r)
-    refsize = old.refsize.evolver()
+    refsize = old.refsize.mutate()
     for n in delta.gone:
         for k in prev.outputs_of(n.id):
-            r = Ref(n.id, k)
-            if r in refsize:
-                refsize.remove(r)
+            refsize.pop(Ref(n.id, k), None)
     dirty = delta.dirty
     for nid in dirty:
         if nid in g0:
             for k in prev.outputs_of(nid):
-                r = Ref(nid, k)
-                if r in refsize:
-                    refsize.remove(r)
+                refsize.pop(Ref(nid, k), None)
     grads = _frozen_grads(typed)
+    kept = old.saved
     for n in sorted((g1[i] for i in dirty), key=lambda n: k1[n.id]):
         here = device in ctx.devices_of(n.device)
         seq = _BlockSeq(cuda)
@@ -1174,8 +1175,7 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
             readers = c1[r]
             if readers[-1][0] != n.id:
                 left[r] += 1                  # a later node reads it last
-            elif any(c in grads and device in ctx.devices_of(g1[c].device)
-                     and p in _cached_cost(typed, g1[c], True).saved_inputs for c, p in readers):
+            elif r in kept:
                 saved[r] = 1                  # autograd keeps it for the backward
         if here:
             for k in typed.outputs_of(n.id):
@@ -1193,8 +1193,8 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
         else:
             blocks[n.id] = (seq.live, seq.peak)
         for r, size in seq.made.items():
-            refsize.set(r, size)
-    refsize = refsize.persistent()
+            refsize[r] = size
+    refsize = refsize.finish()
     if blocks is not None:
         fwd = curve_tree.build((k1[n.id], n.id, *blocks[n.id]) for n in g1.nodes)
     # P and max_k(P_k + rise_k) at the root, the first block over a bound a descent (NOTE [Curve tree])
@@ -1214,7 +1214,14 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
         peak = max(peak, base + top, base + total + tail_rise)
         base += total + tail_delta
     return peak, _Curve(load, fwd, old.tails, old.grads, refsize, direct, owners,
-                        old.count + _on(typed, delta.made, device) - _on(prev, delta.gone, device))
+                        old.count + _on(typed, delta.made, device) - _on(prev, delta.gone, device), kept)
+
+
+def _saved(typed: Typed, device: str) -> frozenset:
+    """The tensors autograd keeps for the backward on `device` (_Curve.saved)."""
+    grads, g = _frozen_grads(typed), typed.graph
+    return frozenset(r for c in grads if c in g and device in typed.ctx.devices_of(g[c].device)
+                     for p, r in g[c].inputs if p in _cached_cost(typed, g[c], True).saved_inputs)
 
 
 def _on(typed: Typed, nodes, device: str) -> int:
@@ -1240,10 +1247,10 @@ def _flops(typed: Typed, prev: Typed | None) -> dict[str, int]:
         again = typed.cache["_reinferred"]
         ch = g1._change if g1.parent() is g0 else None
         if ch is None:
-            out = {n.id for n in g0.nodes if b1.get(n.id) is not n} | (again & b0.keys())
+            out = {n.id for n in g0.nodes if b1.get(n.id) is not n} | {i for i in again if i in b0}
             into = {n.id for n in g1.nodes if b0.get(n.id) is not n} | again
         else:
-            out = {n.id for n in ch.gone} | (again & b0.keys())
+            out = {n.id for n in ch.gone} | {i for i in again if i in b0}
             into = {n.id for n in ch.made} | again
         acc = dict(old)
         for t, ids, sign in ((prev, out, -1), (typed, into, 1)):

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import immutables
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -185,14 +186,20 @@ class Graph:
                 cyc = nx.find_cycle(_nx_of(nodes, self._by_id))
                 raise CycleError([a for a, _ in cyc] + [cyc[0][0]]) from None
             self.nodes = tuple(self._by_id[i] for i in order)
-        self._consumers: dict[Ref, list[tuple[str, str]]] = {}
-        self._read: dict[str, set[str]] = {}
+        consumers: dict[Ref, list[tuple[str, str]]] = {}
+        read: dict[str, set[str]] = {}
         for n in self.nodes:
             for port, r in n.inputs:
-                self._consumers.setdefault(r, []).append((n.id, port))
-                self._read.setdefault(r.node, set()).add(r.output)
+                consumers.setdefault(r, []).append((n.id, port))
+                read.setdefault(r.node, set()).add(r.output)
+        # NOTE [Persistent tables]: the node, key and reader tables are immutables.Map (a HAMT, as CPython's
+        # contextvars use): a patched graph shares them with the graph it came from, so `replace` costs what the
+        # rewrite changed times log N instead of a copy of every table (NOTE [Incremental replace])
+        self._by_id: immutables.Map = immutables.Map(self._by_id)
+        self._consumers: immutables.Map = immutables.Map({r: tuple(c) for r, c in consumers.items()})
+        self._read: immutables.Map = immutables.Map({k: frozenset(v) for k, v in read.items()})
         self._keys: list[int] = [(i + 1) * _SPACING for i in range(len(self.nodes))]
-        self._key: dict[str, int] = {n.id: k for n, k in zip(self.nodes, self._keys)}
+        self._key: immutables.Map = immutables.Map({n.id: k for n, k in zip(self.nodes, self._keys)})
         self._from = None                  # weakref to the graph `replace` made this one from
         self._change: "Change | None" = None
         self._derived: dict = {}           # values derived from the nodes alone, kept across rewrites (derived)
@@ -314,8 +321,8 @@ class Graph:
         for i in reversed(rm):
             del lst[i]
             del klst[i]
-        key2 = dict(key)
-        by2 = dict(by_id)
+        key2 = key.mutate()
+        by2 = by_id.mutate()
         for i in gone_ids:
             del key2[i]
             del by2[i]
@@ -331,7 +338,8 @@ class Graph:
             for n, k in zip(added, new_keys):
                 key2[n.id] = k
                 by2[n.id] = n
-        by2.update(rewired)
+        for nid, n in rewired.items():
+            by2[nid] = n
         made = added + list(rewired.values())
         late = []                         # nodes that read a node after them
         for m in made:
@@ -371,6 +379,7 @@ class Graph:
                             moved.add(n.id)
                     window.append(n.id)
                 lst[a:e + 1] = order
+        key2, by2 = key2.finish(), by2.finish()
         g = Graph.__new__(Graph)
         g.nodes = tuple(lst)
         g._keys = klst
@@ -378,37 +387,45 @@ class Graph:
         g._by_id = by2
         g.resorted = bool(late)
         g._nx_graph = None
-        cons, read = dict(self._consumers), dict(self._read)
+        cons, read = self._consumers.mutate(), self._read.mutate()
         gone = [by_id[i] for i in gone_ids] + [by_id[i] for i in rewired]
-        copied: set[Ref] = set()
+        touched: dict[Ref, list] = {}      # the reader lists this rewrite changes, copied once
 
         def readers(r: Ref) -> list:
-            if r not in copied:
-                copied.add(r)
-                cons[r] = list(cons.get(r, ()))
-            return cons[r]
+            got = touched.get(r)
+            if got is None:
+                got = touched[r] = list(cons.get(r, ()))
+            return got
 
+        # readers are kept in order: the old entries of removed, rewired and moved nodes leave first, so that
+        # what is left is in the new order, then the new entries are inserted by bisection (O(log readers) key
+        # look-ups each, not a sort of a widely read tensor's readers)
+        by_key = key2.__getitem__
+        moved_nodes = [by2[i] for i in moved]
         for n in gone:
             for port, r in n.inputs:
                 readers(r).remove((n.id, port))
-        by_key = key2.__getitem__
-        for n in made:
+        for n in moved_nodes:
+            for port, r in n.inputs:
+                readers(r).remove((n.id, port))
+        for n in (*made, *moved_nodes):
             for port, r in n.inputs:
                 insort(readers(r), (n.id, port), key=lambda c: by_key(c[0]))
-        for i in moved:
-            for _, r in by2[i].inputs:
-                readers(r).sort(key=lambda c: by_key(c[0]))
-        for r in copied:
-            if cons[r]:
+        for r, lst_r in touched.items():
+            if lst_r:
+                cons[r] = tuple(lst_r)
                 if r.output not in read.get(r.node, ()):
-                    read[r.node] = read.get(r.node, set()) | {r.output}
+                    read[r.node] = read.get(r.node, frozenset()) | {r.output}
             else:
-                del cons[r]
+                if r in cons:
+                    del cons[r]
                 if r.output in read.get(r.node, ()):
-                    read[r.node] = read[r.node] - {r.output}
-                    if not read[r.node]:
+                    rest = read[r.node] - {r.output}
+                    if rest:
+                        read[r.node] = rest
+                    else:
                         del read[r.node]
-        g._consumers, g._read = cons, read
+        g._consumers, g._read = cons.finish(), read.finish()
         g._from = weakref.ref(self)
         g._change = Change(tuple(n for n in gone if by2.get(n.id) is not n),
                            tuple(n for n in made if by_id.get(n.id) is not n), frozenset(moved), tuple(window), reordered)

@@ -579,7 +579,7 @@ def _check_outputs_kept(old: Typed, new: Typed, rule: Rule) -> None:
     ch = g1._change if g1.parent() is g0 else None
     nodes = g0.nodes
     if ch is not None:   # a result no node the rewrite changed or inferred again reads what it read, typed alike
-        ids = {n.id for n in ch.gone} | (new.cache.get("_reinferred", frozenset()) & g0._by_id.keys())
+        ids = {n.id for n in ch.gone} | {i for i in new.cache.get("_reinferred", ()) if i in g0._by_id}
         nodes = sorted((g0[i] for i in ids), key=lambda n: g0._key[n.id])
     for n in nodes:
         if registry.get(n.op).traits.sink:
