@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from bisect import bisect_left, insort
+from itertools import filterfalse
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -224,9 +225,56 @@ class Graph:
         if hit is None:
             parent = self.parent()
             base = parent._derived.get(name) if parent is not None and self._change is not None else None
-            hit = build(self) if base is None else update(base, self, self._change)
-            self._derived[name] = hit
-        return hit
+            value = build(self) if base is None else update(base[0], self, self._change)
+            hit = self._derived[name] = (value, build, update)
+        return hit[0]
+
+    def keep_derived(self) -> None:
+        """Update every value the parent graph derived (`derived`) for this one now, so that the graphs made
+        from this one update theirs in turn instead of building them (a rewrite driver calls it on the graph
+        it goes on from: a value that only candidates ask for would otherwise be built again for each)."""
+        parent = self.parent()
+        if parent is not None and self._change is not None:
+            for name, (_, build, update) in list(parent._derived.items()):
+                self.derived(name, build, update)
+
+    def groups(self, name: str, key: Callable[[Node], Any]) -> immutables.Map:
+        """The nodes grouped by `key(node)` (None: in no group), each group a tuple of ids in order. Built once
+        per graph (`derived`), and for a graph `replace` made from the groups of its parent, changing only the
+        groups of the nodes it removed, made or sorted again: a persistent map, so a rewrite costs the groups
+        it changed (their ids filtered at C speed), not the graph."""
+        def build(g: Graph) -> immutables.Map:
+            out: dict[Any, list[str]] = {}
+            for n in g.nodes:
+                k = key(n)
+                if k is not None:
+                    out.setdefault(k, []).append(n.id)
+            return immutables.Map({k: tuple(v) for k, v in out.items()})
+
+        def update(base: immutables.Map, g: Graph, ch: Change) -> immutables.Map:
+            out = base.mutate()
+            gone = {n.id for n in ch.gone}
+            order = g._key.__getitem__
+            made: dict[Any, list[str]] = {}
+            for n in ch.made:
+                k = key(n)
+                if k is not None:
+                    made.setdefault(k, []).append(n.id)
+            changed = {key(n) for n in ch.gone} | made.keys() | {key(g[i]) for i in ch.moved}
+            changed.discard(None)
+            for k in changed:
+                ids = list(filterfalse(gone.__contains__, base.get(k, ())))
+                for i in made.get(k, ()):
+                    insort(ids, i, key=order)
+                if not ch.moved.isdisjoint(ids):
+                    ids.sort(key=order)
+                if ids:
+                    out[k] = tuple(ids)
+                elif k in out:
+                    del out[k]
+            return out.finish()
+
+        return self.derived(name, build, update)
 
     @property
     def _nx(self) -> nx.DiGraph:

@@ -9,6 +9,8 @@ rises: legality comes from the traits, profitability from the cost model.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -109,6 +111,32 @@ def rewrite(typed: Typed, tables: Tables, costs: Costs, max_steps: int | None = 
                                  hint="check or run it as written with --no-rewrite"))
     if max_steps is None:   # a rule applies a bounded number of times per node: the guard grows with the graph
         max_steps = 500 + 10 * len(typed.graph)
+    with _no_cycle_collection():
+        return _run(typed, tables, costs, max_steps, verify, certificates, curves)
+
+
+# NOTE [No cycle collection while rewriting]: the driver makes and drops a graph, its types and its live curves
+# per candidate: persistent maps that share their parent's nodes (ir/graph.py, NOTE [Persistent tables]), linked
+# to the parent by a weak reference. None of it forms a reference cycle, so reference counting frees all of it,
+# and Python's cycle collector finds nothing, while each of its full collections walks every live object and
+# the rewrites' allocations trigger more of them the larger the graph: a cost that grows faster than the graph.
+# Measured: a whole compile_graph of a 400-node widened graph with the collector off leaves 153 objects in cycles
+# to collect (the loader's); with it paused while rewriting, check time grows linearly (benchmarks/README.md).
+# The collector's state is restored afterwards, also when the driver raises.
+
+@contextlib.contextmanager
+def _no_cycle_collection():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _run(typed: Typed, tables: Tables, costs: Costs, max_steps: int, verify: bool, certificates: bool,
+         curves: bool) -> tuple[Typed, list[Applied]]:
     d = _Driver(typed, costs, max_steps, verify, certificates, curves)
     # NOTE [Fixpoint over all passes]: a later pass can enable an earlier one (merge_duplicates in `cleanup`
     # leaves a position-wise node with one reader, which `push_selections` then moves a gather through), so the
@@ -150,7 +178,7 @@ class _Driver:
         self.replays = 0          # nodes replayed in full to price candidates (NOTE [Replay budget])
         _replicas(typed)
         self.applied: list[Applied] = []
-        self.certs: dict[tuple[str, str], _Cert] = {}     # NOTE [Rejection certificates]
+        self.certs = _Certs()     # NOTE [Rejection certificates], NOTE [Certificate index]
 
     def run_pass(self, pass_name: str, rules: Sequence[Rule]) -> None:
         import heapq
@@ -159,6 +187,7 @@ class _Driver:
         heap: list[tuple[int, str]] = []   # examined nodes to examine again (keys below the front)
         queued: set[str] = set()
         rejected: dict[str, dict[str, tuple]] = {}   # node -> rule -> the replacement it rejected there
+        unheld: set[str] = set()       # nodes in `rejected` with a rejection no certificate holds for
         while True:
             g = self.typed.graph
             while heap and (heap[0][1] not in g or g._key[heap[0][1]] != heap[0][0]):
@@ -176,24 +205,43 @@ class _Driver:
                     self.check_scan(rules, None, None)
                 return
             found = self.examine(node, rules, rejected)
+            unheld.discard(node.id)
+            if any(not self.holds(name, node.id, rk) for name, rk in rejected.get(node.id, {}).items()):
+                unheld.add(node.id)
             if found is None:
                 continue
             if self.verify:
                 self.check_scan(rules, node, found)
             rule, rep, new, new_peaks, new_flops = found
-            old = self.typed
-            self.accept(pass_name, rule, rep, node, new, new_peaks, new_flops)
+            old, old_peaks = self.typed, self.peaks
+            dropped = self.accept(pass_name, rule, rep, node, new, new_peaks, new_flops)
             aff = None if not self.certificates else _affected(old, new, rules)
             if aff is None:           # scan again from the first node
                 front, heap, rejected = -1, [], {}
+                unheld.clear()
                 queued.clear()
                 continue
             gk = new.graph._key
-            for nid, reps in list(rejected.items()):
-                if nid not in gk:
-                    del rejected[nid]
-                elif any(not self.holds(name, nid, rk) for name, rk in reps.items()):
-                    aff.add(nid)
+            # a rejection is examined again once no certificate holds for it (NOTE [Certificate index]): those
+            # the rewrite voided, and those none held for; where a peak rose (a rule taken whatever the price),
+            # every certificate's bound is read again
+            if dropped is None or any(new_peaks.get(d, 0) > p for d, p in old_peaks.items()):
+                for nid, reps in list(rejected.items()):
+                    if nid not in gk:
+                        del rejected[nid]
+                        unheld.discard(nid)
+                    elif any(not self.holds(name, nid, rk) for name, rk in reps.items()):
+                        aff.add(nid)
+            else:
+                for name, nid in dropped:
+                    if name in rejected.get(nid, ()):
+                        unheld.add(nid)
+                for nid in list(unheld):
+                    if nid in gk:
+                        aff.add(nid)
+                    else:
+                        unheld.discard(nid)
+                        rejected.pop(nid, None)
             for nid in aff:
                 k = gk.get(nid)
                 if k is not None and k < front and nid not in queued:
@@ -263,7 +311,7 @@ class _Driver:
                 if not trial:
                     cert = _certificate(typed, new, rep, peaks) if self.certificates else None
                     if cert is not None:
-                        self.certs[(rule.name, node.id)] = cert
+                        self.certs.add((rule.name, node.id), cert, typed.graph._key)
                 return None
         else:
             priced = costs(new, **kw)
@@ -278,7 +326,9 @@ class _Driver:
                                  "candidate that pricing accepts (NOTE [Rejection certificates])")
         return new, new_peaks, new_flops
 
-    def accept(self, pass_name: str, rule: Rule, rep: Replacement, node: Node, new: Typed, new_peaks, new_flops):
+    def accept(self, pass_name: str, rule: Rule, rep: Replacement, node: Node, new: Typed, new_peaks,
+               new_flops) -> set[tuple[str, str]] | None:
+        """Take the candidate; the keys of the certificates it voids (None: any may be void, all were read)."""
         if len(self.applied) >= self.max_steps:
             raise RewriteLoopError(f"infinite loop in rewrite pass '{pass_name}': more than {self.max_steps} "
                                    f"rewrites (last: {rule.name} at '{node.id}')")
@@ -286,11 +336,12 @@ class _Driver:
         self.applied.append(Applied(pass_name, rule.name, rule.trait, rep.touched or (node.id,),
                                     {d: peaks.get(d, 0) - new_peaks.get(d, 0) for d in peaks},
                                     {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
-        if self.certs:
-            self.certs = _still_certain(self.certs, self.typed, new)
+        dropped = self.certs.after(self.typed, new) if self.certs else set()
+        new.graph.keep_derived()
         self.typed, self.peaks, self.flops = new, new_peaks, new_flops
         if self.verify:
             _check_incremental(new)
+        return dropped
 
     def check_scan(self, rules: Sequence[Rule], node: Node | None, found) -> None:
         """verify: the full scan (every node from the first, every match priced) finds the candidate the resumed
@@ -423,36 +474,63 @@ def _certificate(typed: Typed, new: Typed, rep: Replacement, peaks: Mapping[str,
     device, at, it, start0, start_i = over
     if at is None or (at and at not in typed.graph) or new.graph.resorted:
         return None       # (a candidate whose nodes had to be sorted may pull later nodes before w)
+    # the nodes by placement, and those with a model by (placement, model): kept across rewrites (Graph.groups),
+    # so that a certificate costs the device's nodes of trainable models, not a pass over the graph
+    g1, ctx = new.graph, new.ctx
+    typed.graph.groups("placed", _placement)           # (the candidate's are updated from the graph's)
+    typed.graph.groups("modelled", _placement_model)
+    placed = g1.groups("placed", _placement)
     seeds: frozenset[str] = frozenset()
     if at and it > 0:
         if start0 is None or start_i is None or start_i[0] - start0[0] != start_i[1] - start0[1]:
             return None              # L_i is not the load plus weight gradients
-        on = [n for n in new.graph.nodes if device in new.ctx.devices_of(n.device)]
         grads = grad_nodes(new)
-        trainable = {m for m, info in new.ctx.models.items() if info.spec.trainable}
-        seed_nodes = [n for n in on if grad_seed(new, n)]
-        if {n.model for n in on if n.id in grads and n.model in trainable} - {n.model for n in seed_nodes}:
+        trainable = {m for m, info in ctx.models.items() if info.spec.trainable}
+        seed_ids: list[str] = []
+        grad_models: set[str] = set()
+        for (p, m), ids in g1.groups("modelled", _placement_model).items():
+            if m in trainable and device in ctx.devices_of(p):
+                for i in ids:
+                    if grad_seed(new, g1[i]):
+                        seed_ids.append(i)
+                    if i in grads:
+                        grad_models.add(m)
+        if grad_models - {g1[i].model for i in seed_ids}:
             return None
-        seeds = frozenset(n.id for n in seed_nodes if n.id in typed.graph)
+        seeds = frozenset(i for i in seed_ids if i in typed.graph)
     # how often a step runs the device's nodes depends on whether one is placed on it directly: a witness
-    direct = [n.id for n in new.graph.nodes if n.device == device]
-    kept = [i for i in direct if i in typed.graph and i not in rep.remove]
-    if direct and not kept:
+
+    def first_kept(ids) -> str | None:
+        return next((i for i in ids if i in typed.graph and i not in rep.remove), None)
+
+    direct = placed.get(device, ())
+    kept = first_kept(direct)
+    if direct and kept is None:
         return None
     width = _replicas(new)
-    widest = next((n.id for n in new.graph.nodes if len(new.ctx.devices_of(n.device)) == width
-                   and n.id in typed.graph and n.id not in rep.remove), None) if width > 1 else None
-    if width > 1 and widest is None:
-        return None
+    widest = None
+    if width > 1:
+        firsts = [first_kept(ids) for p, ids in placed.items() if len(ctx.devices_of(p)) == width]
+        widest = min((i for i in firsts if i is not None), key=g1._key.__getitem__, default=None)
+        if widest is None:
+            return None
     return _Cert(_rep_key(rep), device, peaks.get(device, 0), at, seeds,
                  tuple(sorted({(k.node, v.node) for k, v in rep.redirect.items()})), frozenset(rep.remove),
-                 kept[0] if kept else None, width, widest)
+                 kept, width, widest)
+
+
+def _placement(n: Node) -> str:
+    return n.device
+
+
+def _placement_model(n: Node) -> tuple[str, str] | None:
+    return (n.device, n.model) if n.model else None
 
 
 def _still_certain(certs: dict, old: Typed, new: Typed) -> dict:
     """The certificates an accepted rewrite (old -> new) leaves valid: their witness comes before every node
     the rewrite affects, in the old graph's order, no seed of theirs is affected, and their device's load is
-    the same."""
+    the same. (The test of every certificate; the driver reads it through _Certs, NOTE [Certificate index].)"""
     from ..analysis.memory import load_signature
 
     g, g2 = old.graph, new.graph
@@ -476,25 +554,145 @@ def _still_certain(certs: dict, old: Typed, new: Typed) -> dict:
             first[d] = -1
             continue
         first[d] = min([first_gone] + [pos[p] for p in producers if d in old.ctx.devices_of(g[p].device)])
+    return {k: c for k, c in certs.items() if _valid(c, old, first, pos, gone_ids, made, producers)}
 
-    def valid(c: _Cert) -> bool:
-        if first[c.device] < 0 or c.seeds & gone_ids or c.removes & gone_ids:
-            return False
-        if c.direct in gone_ids or (c.direct is None and any(n.device == c.device for n in made)):
-            return False
-        if c.widest in gone_ids or any(len(old.ctx.devices_of(n.device)) > c.replicas for n in made):
-            return False
-        if c.witness == "":
-            return True
-        if c.witness not in pos:
-            return False
-        # the candidate moves the readers of the refs it redirects to their new sources: where the rewrite
-        # changed those readers, the new sources' reader counts change too
-        at = min([first[c.device]] + [pos[v] for k, v in c.redirect if k in producers and v in pos
-                                      and c.device in old.ctx.devices_of(g[v].device)])
-        return pos[c.witness] < at
 
-    return {k: c for k, c in certs.items() if valid(c)}
+def _valid(c: "_Cert", old: Typed, first: Mapping[str, int], pos: Mapping[str, int], gone_ids: set[str],
+           made: Sequence[Node], producers: set[str]) -> bool:
+    """Whether certificate `c` holds after a rewrite of `old` (_still_certain): `first`, per device, the order
+    position of the first node the rewrite affects there (-1: its load changed)."""
+    if first[c.device] < 0 or c.seeds & gone_ids or c.removes & gone_ids:
+        return False
+    if c.direct in gone_ids or (c.direct is None and any(n.device == c.device for n in made)):
+        return False
+    if c.widest in gone_ids or any(len(old.ctx.devices_of(n.device)) > c.replicas for n in made):
+        return False
+    if c.witness == "":
+        return True
+    if c.witness not in pos:
+        return False
+    # the candidate moves the readers of the refs it redirects to their new sources: where the rewrite
+    # changed those readers, the new sources' reader counts change too
+    g = old.graph
+    at = min([first[c.device]] + [pos[v] for k, v in c.redirect if k in producers and v in pos
+                                  and c.device in old.ctx.devices_of(g[v].device)])
+    return pos[c.witness] < at
+
+
+# NOTE [Certificate index]: after every accepted rewrite, _still_certain's conditions are read only for the
+# certificates the rewrite can void, found through indexes of what each certificate depends on: its device (a
+# changed load voids all of them), the nodes it names (seeds, the nodes it removes, the node placed on the
+# device, the widest group's node, the witness: a rewrite that removes one of them, or sorts it again, voids
+# it), the devices where it keeps no node of its own and the replica counts it keeps, the producers of the refs
+# it redirects, and, per device, the witnesses' order keys (a max-heap: the rewrite voids those at or after the
+# first node it affects on the device). Voiding a certificate where the full test would keep it only means its
+# candidate is priced again (the same verdict: certificates skip pricing, they never decide), and it happens
+# only for a witness sorted again; the rest is _still_certain's test exactly. So an accepted rewrite costs what
+# it voids, not a pass over every certificate (at 1,000 nodes, about 27 per rewrite, growing with the graph).
+
+class _Certs:
+    """The rejection certificates that hold, by (rule, node) (NOTE [Certificate index])."""
+
+    def __init__(self):
+        self.certs: dict[tuple[str, str], _Cert] = {}
+        self._clear_index()
+
+    def _clear_index(self) -> None:
+        self.by_device: dict[str, set] = {}
+        self.by_node: dict[str, set] = {}
+        self.undirected: dict[str, set] = {}        # device -> certificates that keep no node placed on it
+        self.by_replicas: dict[int, set] = {}
+        self.by_source: dict[str, set] = {}         # producer of a redirected ref -> certificates
+        self.witnesses: dict[str, list] = {}        # device -> max-heap of (-witness order key, key, id(cert))
+
+    def __bool__(self) -> bool:
+        return bool(self.certs)
+
+    def get(self, key: tuple[str, str]) -> "_Cert | None":
+        return self.certs.get(key)
+
+    def add(self, key: tuple[str, str], cert: "_Cert", order: Mapping[str, int]) -> None:
+        """Hold `cert` for `key`; `order`: the order keys of the graph it was made on."""
+        import heapq
+
+        self.certs[key] = cert          # an earlier certificate of the key stays in the indexes: looked up, skipped
+        self.by_device.setdefault(cert.device, set()).add(key)
+        for nid in (*cert.seeds, *cert.removes, cert.direct, cert.widest, cert.witness):
+            if nid:
+                self.by_node.setdefault(nid, set()).add(key)
+        if cert.direct is None:
+            self.undirected.setdefault(cert.device, set()).add(key)
+        self.by_replicas.setdefault(cert.replicas, set()).add(key)
+        for src, _ in cert.redirect:
+            self.by_source.setdefault(src, set()).add(key)
+        if cert.witness:
+            heapq.heappush(self.witnesses.setdefault(cert.device, []), (-order[cert.witness], key, id(cert)))
+
+    def after(self, old: Typed, new: Typed) -> set[tuple[str, str]] | None:
+        """Drop the certificates the accepted rewrite old -> new voids; their keys (None: a rebuilt graph, every
+        certificate was tested and the indexes made again)."""
+        import heapq
+
+        g, g2 = old.graph, new.graph
+        ch = g2._change if g2.parent() is g else None
+        if ch is None:
+            kept = _still_certain(self.certs, old, new)
+            dropped = self.certs.keys() - kept.keys()
+            self.certs = {}
+            self._clear_index()
+            order = g2._key
+            for k, c in kept.items():
+                self.add(k, c, order)
+            return None
+        pos, gone, made = g._key, list(ch.gone), list(ch.made)
+        end = g._keys[-1] + 1 if g._keys else 0
+        gone_ids = {n.id for n in gone}
+        producers = {r.node for n in gone + made for _, r in n.inputs if r.node in pos}
+        first_gone = min((pos[n.id] for n in gone), default=end)
+        suspects: set = set()
+        for nid in (*gone_ids, *ch.moved):
+            suspects |= self.by_node.get(nid, set())
+        for n in made:
+            suspects |= self.undirected.get(n.device, set())
+        width = max((len(old.ctx.devices_of(n.device)) for n in made), default=0)
+        for r, keys in self.by_replicas.items():
+            if r < width:
+                suspects |= keys
+        for p in producers:
+            suspects |= self.by_source.get(p, set())
+        first: dict[str, int] = {}
+        for d, keys in self.by_device.items():
+            if not keys:
+                continue
+            if _load_changed(old, new, ch, d):
+                first[d] = -1
+                suspects |= keys
+                continue
+            first[d] = min([first_gone] + [pos[p] for p in producers if d in old.ctx.devices_of(g[p].device)])
+            heap = self.witnesses.get(d, [])
+            while heap and -heap[0][0] >= first[d]:
+                _, key, ident = heapq.heappop(heap)
+                c = self.certs.get(key)
+                if c is not None and id(c) == ident:
+                    suspects.add(key)
+        dropped = set()
+        for key in suspects:
+            c = self.certs.get(key)
+            if c is not None and (key in dropped or not _valid(c, old, first, pos, gone_ids, made, producers)
+                                  or c.witness in ch.moved):
+                dropped.add(key)
+        for key in dropped:
+            self._forget(key, self.certs.pop(key))
+        return dropped
+
+    def _forget(self, key, c: "_Cert") -> None:
+        for table, names in ((self.by_device, (c.device,)),
+                             (self.by_node, (*c.seeds, *c.removes, c.direct, c.widest, c.witness)),
+                             (self.undirected, (c.device,) if c.direct is None else ()),
+                             (self.by_replicas, (c.replicas,)), (self.by_source, [s for s, _ in c.redirect])):
+            for name in names:
+                if name and key in table.get(name, ()) and self.certs.get(key) is None:
+                    table[name].discard(key)
 
 
 def _load_changed(old: Typed, new: Typed, ch: Change, device: str) -> bool:

@@ -254,30 +254,11 @@ def _cse_key(node: Node) -> tuple:
     return (node.op, node.inputs, tuple(sorted((k, repr(v)) for k, v in node.params.items())), node.device)
 
 
-def _twins(graph: Graph) -> dict[tuple, tuple[str, ...]]:
-    """The mergeable nodes with each (op, inputs, params, device), in order: built once per graph, and for a
-    rewritten graph from the graph before it where the rewrite changed it (Graph.derived), so that matching every
-    node costs linear time in all, not the square of the node count."""
-    def build(g: Graph) -> dict:
-        index: dict[tuple, list[str]] = {}
-        for n in g.nodes:
-            if mergeable(_op(n)):
-                index.setdefault(_cse_key(n), []).append(n.id)
-        return {k: tuple(v) for k, v in index.items()}
-
-    def update(base: dict, g: Graph, ch) -> dict:
-        index = dict(base)
-        gone = {n.id for n in ch.gone}
-        for k in _changed_keys(g, ch):
-            ids = [i for i in index.get(k, ()) if i not in gone]
-            ids += [n.id for n in ch.made if mergeable(_op(n)) and _cse_key(n) == k]
-            if ids:
-                index[k] = tuple(sorted(set(ids), key=g._key.__getitem__))
-            else:
-                index.pop(k, None)
-        return index
-
-    return graph.derived("merge_duplicates", build, update)
+def _twins(graph: Graph) -> Mapping[tuple, tuple[str, ...]]:
+    """The mergeable nodes with each (op, inputs, params, device), in order (Graph.groups: kept across rewrites,
+    updated where a rewrite changed them), so that matching every node costs linear time in all, not the
+    square of the node count."""
+    return graph.groups("merge_duplicates", lambda n: _cse_key(n) if mergeable(_op(n)) else None)
 
 
 def _changed_keys(g: Graph, ch) -> set[tuple]:
@@ -285,9 +266,16 @@ def _changed_keys(g: Graph, ch) -> set[tuple]:
 
 
 def _cse_touches(old: Typed, new: Typed, ch) -> list[str]:
-    """The nodes whose twins the rewrite changed (engine NOTE [Resumed scan])."""
-    twins = _twins(new.graph)
-    return [i for k in _changed_keys(new.graph, ch) for i in twins.get(k, ())]
+    """The nodes whose match the rewrite changed through their twins (engine NOTE [Resumed scan]): a match at a
+    node reads only which node comes first among its twins, so those are the twins of a group whose first node
+    the rewrite changed (a twin removed or made elsewhere in the group is in the rewrite's footprint itself)."""
+    t0, t1 = _twins(old.graph), _twins(new.graph)
+    out: list[str] = []
+    for k in _changed_keys(new.graph, ch):
+        a, b = t0.get(k, ()), t1.get(k, ())
+        if a[:1] != b[:1]:
+            out.extend(b)
+    return out
 
 
 CSE = Rule("merge_duplicates", "Traits.pure + Traits.deterministic",
