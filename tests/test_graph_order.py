@@ -46,7 +46,8 @@ def test_patched_replace_is_the_rebuild(tmp_path):
     """NOTE [Incremental replace]: at every step of rewriting a widened graph (benchmarks/check_scaling.py, whose
     gathers move through positionwise nodes and make the graph sort again around them), Graph.replace's patched
     graph is the full rebuild's: the same nodes in the same order, readers, read outputs and resort flag, with
-    order keys that increase along the nodes."""
+    order keys that increase along the nodes; its node groups (Graph.groups), updated from the parent's, are the
+    groups built from scratch."""
     import importlib.util
     from pathlib import Path
 
@@ -65,9 +66,15 @@ def test_patched_replace_is_the_rebuild(tmp_path):
     seen = {"patched": 0, "sorted": 0}
     replace = G.Graph.replace
 
+    keys = {"by_op": lambda n: (n.op, n.device), "by_source": lambda n: n.inputs[0][1] if n.inputs else None}
+
     def checked(self, remove=(), add=(), redirect=None):
+        for name, key in keys.items():
+            self.groups(name, key)          # the parent has them: the patched graph updates them (Graph.groups)
         a = replace(self, remove, add, redirect)
         b = self._rebuilt(set(remove), list(add), dict(redirect or {}))
+        for name, key in keys.items():
+            assert dict(a.groups(name, key)) == dict(b.groups(name, key))
         assert [n.id for n in a.nodes] == [n.id for n in b.nodes]
         assert all(x.same_as(y) for x, y in zip(a.nodes, b.nodes))
         assert a._consumers == b._consumers and a._read == b._read and a.resorted == b.resorted

@@ -545,6 +545,46 @@ def test_rewrite_bound_refuses_with_hint_and_checks_as_written(tmp_path):
     assert len(plan.applied) > 40 and plan.memory.fits
 
 
+def test_rewrite_work_grows_linearly(tmp_path, monkeypatch):
+    """NOTE [Resumed scan], NOTE [Certificate index]: the work of rewriting a widened graph of
+    benchmarks/check_scaling.py, counted (not timed), grows with the graph, not faster: the nodes examined, the
+    certificates tested after an accepted rewrite, and the node groups built from scratch (Graph.groups keeps
+    them across rewrites). Before the index and merge_duplicates' narrower footprint, examinations per node grew
+    1.6x from 250 to 1,000 nodes, and every accepted rewrite tested every certificate."""
+    from dflash_graph.ir.graph import Graph
+    from dflash_graph.rewrite import engine
+
+    counts: dict[str, int] = {}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(engine._Driver, "examine", counted("examine", engine._Driver.examine))
+    monkeypatch.setattr(engine, "_valid", counted("valid", engine._valid))
+    monkeypatch.setattr(engine._Certs, "add", counted("certificates", engine._Certs.add))
+    real_derived = Graph.derived
+
+    def derived(self, name, build, update):
+        return real_derived(self, name, counted("built", build), update)
+
+    monkeypatch.setattr(Graph, "derived", derived)
+    cs = _check_scaling()
+    per_node = {}
+    for n in (100, 400):
+        counts.clear()
+        plan = compile_graph(str(cs.wide_graph(tmp_path, n)))
+        per_node[n] = {k: v / len(plan.original.graph) for k, v in counts.items()}
+        assert len(plan.applied) > n
+    small, large = per_node[100], per_node[400]
+    assert large["examine"] <= 1.1 * small["examine"], per_node
+    assert large["certificates"] >= small["certificates"] > 0.1, per_node     # (the index has work to do)
+    assert large.get("valid", 0) <= 1.1 * max(small.get("valid", 0), 1), per_node
+    assert large["built"] * 400 <= small["built"] * 100 + 10, per_node   # built a fixed number of times
+
+
 def test_check_scaling_benchmark_smoke(capsys):
     """benchmarks/check_scaling.py runs at small sizes and reports a size over a bound as refused (it asserts
     nothing about time)."""
@@ -679,3 +719,36 @@ def test_unread_forwards_are_priced_from_the_curve(tmp_path, request):
     plan = compile_graph(str(path), verify=True)
     assert not any(n.id.startswith("body_") for n in plan.typed.graph.nodes)
     assert plan.memory.devices == compile_graph(str(root / "tests/graphs/minimal.toml")).memory.devices
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_rewrite_restores_the_cycle_collector(tmp_path, monkeypatch, enabled):
+    """NOTE [No cycle collection while rewriting]: the collector is paused while the driver runs and left as
+    the caller had it afterwards, also when the driver raises."""
+    import gc
+
+    from dflash_graph.rewrite import engine
+
+    seen = []
+    real_run = engine._run
+
+    def run(*a, **k):
+        seen.append(gc.isenabled())
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(engine, "_run", run)
+    path = str(_check_scaling().wide_graph(tmp_path, 40))
+    (gc.enable if enabled else gc.disable)()
+    try:
+        compile_graph(path)
+        assert seen == [False] and gc.isenabled() is enabled
+
+        def boom(*a, **k):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(engine, "_run", boom)
+        with pytest.raises(RuntimeError):
+            compile_graph(path)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

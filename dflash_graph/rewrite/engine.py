@@ -336,7 +336,10 @@ class _Driver:
         self.applied.append(Applied(pass_name, rule.name, rule.trait, rep.touched or (node.id,),
                                     {d: peaks.get(d, 0) - new_peaks.get(d, 0) for d in peaks},
                                     {d: flops.get(d, 0) - new_flops.get(d, 0) for d in flops}))
+        before = dict(self.certs.certs) if self.verify else None
         dropped = self.certs.after(self.typed, new) if self.certs else set()
+        if before:
+            _check_index(before, self.certs.certs, self.typed, new)
         new.graph.keep_derived()
         self.typed, self.peaks, self.flops = new, new_peaks, new_flops
         if self.verify:
@@ -717,6 +720,17 @@ def _load_changed(old: Typed, new: Typed, ch: Change, device: str) -> bool:
                     and int(t.params[nid].get("queue", 1)) > 1:
                 return True
     return False
+
+
+def _check_index(before: dict, kept: dict, old: Typed, new: Typed) -> None:
+    """The certificates the index keeps after a rewrite (NOTE [Certificate index]) are those _still_certain
+    keeps, less only some whose witness the rewrite sorted again."""
+    full = _still_certain(before, old, new)
+    ch = new.graph._change if new.graph.parent() is old.graph else None
+    moved = ch.moved if ch is not None else frozenset()
+    if kept.keys() - full.keys() or any(full[k].witness not in moved for k in full.keys() - kept.keys()):
+        raise ContractBroken(f"the certificate index kept {sorted(kept.keys() - full.keys())} and dropped "
+                             f"{sorted(full.keys() - kept.keys())}, where _still_certain keeps {sorted(full)}")
 
 
 def _check_pricing(new: Typed, costs: Costs, priced, bound) -> None:
