@@ -11,6 +11,7 @@ Dim strings: space-separated tokens, as in jaxtyping: `seq hidden`, `*batch hidd
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -236,13 +237,40 @@ def evaluate_token(t: str, binds: Binds) -> Dim:
         return binds[t]
     if t.isdigit():
         return Dim(t, int(t))
-    from ..ir.dims import evaluate, parse_expr
-
-    def lookup(name: str):
+    # NOTE [Contract expressions cached]: an expression's dim is a function of its text and of the symbols and
+    # values of the dims it names, and sympy's simplify costs milliseconds: a graph of hundreds of nodes of one
+    # kind (a node block copied 400 times took 4 s to infer) evaluates each expression once per bindings
+    key = []
+    for name in _names(t):
         b = binds.get(name)
         if not isinstance(b, Dim):
             raise ContractError(f"dimension '{name}' in {t!r} was not bound")
-        return sympy.sympify(b.sym, locals={n: sympy.Symbol(n) for n in re.findall(r"[A-Za-z_]\w*", b.sym)}), b.value
+        key.append((name, b.sym, b.value))
+    return _evaluate(t, tuple(key))
+
+
+@functools.lru_cache(maxsize=4096)
+def _names(t: str) -> tuple[str, ...]:
+    """The dims an expression names (min and max, which it calls, are not dims)."""
+    import ast
+
+    from ..ir.dims import names_in, parse_expr
+
+    tree = parse_expr(t)
+    called = {id(c.func) for c in ast.walk(tree) if isinstance(c, ast.Call)}
+    return tuple(dict.fromkeys(n for n in names_in(tree) if n not in
+                               {x.id for x in ast.walk(tree) if isinstance(x, ast.Name) and id(x) in called}))
+
+
+@functools.lru_cache(maxsize=65536)
+def _evaluate(t: str, bound: tuple[tuple[str, str, int], ...]) -> Dim:
+    from ..ir.dims import evaluate, parse_expr
+
+    dims = {name: (sym, value) for name, sym, value in bound}
+
+    def lookup(name: str):
+        sym, value = dims[name]
+        return sympy.sympify(sym, locals={n: sympy.Symbol(n) for n in re.findall(r"[A-Za-z_]\w*", sym)}), value
 
     expr, val = evaluate(parse_expr(t), lookup)
     return dim_of(sympy.simplify(expr), val)

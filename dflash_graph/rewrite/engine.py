@@ -64,24 +64,27 @@ class ContractBroken(RuntimeError):
 # matches and does not raise a device's peak. A candidate rejected on one graph can be accepted on a later one,
 # so the driver must consider it again after every accepted rewrite; a rejection certificate (NOTE [Rejection
 # certificates]) re-rejects it without pricing while the rewrites since cannot have changed the verdict, and
-# pricing reads each device's peak off its live curve (analysis/memory.py, NOTE [Live curve]). What each
-# rewrite costs is now mostly what it changed: the graph is patched, not rebuilt (ir/graph.py, NOTE
-# [Incremental replace]); inference visits the changed nodes and their readers (analysis/infer.py, NOTE
-# [Inference of a change]); the scan resumes where the rewrite was (NOTE [Resumed scan]); twins, replicas,
-# outputs kept, certificates, the live curves' dirty blocks and the FLOPs are read off what replace changed.
-# Left linear per rewrite, at C speed: the copies of the graph's and the typed graph's tables (Graph._patched,
-# infer's _in_order), and, in pricing, the scan of a tensor's readers for autograd's saved inputs. The live
-# curve's prefix sums and maximum are a persistent tree now (analysis/curve_tree.py, NOTE [Curve tree]):
-# O(changed · log N) per candidate; measured side by side under the same load at 1,000 nodes, 5.1 to 5.2 CPU s
-# before, 3.4 to 3.5 after (pricing was 3.0 s of 9.7 under cProfile, 2.4 of 8.8 after, most of it now the
-# recomputed blocks themselves, _forward_node). Not enough to raise the bound: 600 nodes still take 1.7 to 1.8 s.
-# benchmarks/check_scaling.py (widened graphs, about 1.5 rewrites per node), CPU s in compile_graph on the shared
-# 2-core machine, after the tree: 0.27 at 200 nodes, 0.47 at 296, 0.87 at 398, 1.06 at 500 (exponent 1.1 to 1.3
-# from 200 on; before any of this: 0.78 at 200, 3.4 at 400, 21 at 800, exponent 1.9 to 2.1). The whole `check`
-# process (imports, inference, the memory model, printing; /usr/bin/time, user + sys): 1.31 CPU s at 200 nodes,
-# 1.52 at 400, 2.15 at 500. So the bound is 400 nodes; a graph over it is refused with the bound named, and
-# checks as written (--no-rewrite: linear, ~1.6 s at the 5,000-node bound).
-MAX_REWRITE_NODES = 400
+# pricing reads each device's peak off its live curve (analysis/memory.py, NOTE [Live curve]). What a rewrite
+# costs is what it changed, times at most log N:
+#   - the graph is patched, its tables persistent maps shared with the graph before (ir/graph.py, NOTE
+#     [Incremental replace], NOTE [Persistent tables]); so are inference's tables, and inference visits the
+#     changed nodes and their readers (analysis/infer.py, NOTE [Inference of a change]);
+#   - the scan resumes where the rewrite was (NOTE [Resumed scan]), and merge_duplicates examines a node's twins
+#     again only when the first of them changed (rules._cse_touches);
+#   - an accepted rewrite tests only the certificates it can void (NOTE [Certificate index]), and a certificate
+#     reads the device's nodes through groups kept across rewrites (Graph.groups);
+#   - pricing updates a persistent tree of the live curve (analysis/curve_tree.py, NOTE [Curve tree]), and
+#     autograd's saved tensors are handed on with the curve, not found by scanning a tensor's readers;
+#   - the cycle collector is paused while rewriting (NOTE [No cycle collection while rewriting]).
+# So check time grows linearly with the nodes. benchmarks/check_scaling.py (widened graphs, about 1.5 rewrites
+# per node), compile_graph on the 2-core machine: instructions counted by valgrind (deterministic, whatever the
+# load) less a 25-node run's, 2.2 G at 250 nodes and 10.1 G at 1,000 (4.6x for 4x; before: 2.6 G and 17.0 G,
+# 6.4x). The whole `check` process: 7.0 G instructions at 400 nodes, 8.1 G at 500, where the bound before,
+# 400 nodes, cost 8.1 G (1.52 CPU s then). So the bound is 500 nodes: the work the old bound allowed. A graph
+# over it is refused with the bound named, and checks as written (--no-rewrite: linear, ~1.6 s at the
+# 5,000-node bound). Times on this shared machine spread widely (the whole process at 500 nodes: see
+# benchmarks/README.md); the instruction counts are the figures to compare.
+MAX_REWRITE_NODES = 500
 # NOTE [Replay budget]: the times above hold where a rewrite is priced off the live curves. A rewrite that changes
 # a node on autograd's path, one reading hooked layers, a sink with outputs or a device's weights is priced by a
 # full replay of the device (analysis/memory.py, NOTE [Live curve]), linear in the graph, so a graph of hundreds
