@@ -1164,6 +1164,15 @@ def _curve_price(old: _Curve, delta: _Delta, prev: Typed, typed: Typed, device: 
     kept = old.saved
     for n in sorted((g1[i] for i in dirty), key=lambda n: k1[n.id]):
         here = device in ctx.devices_of(n.device)
+        if not here and not any(r in refsize for _, r in n.inputs):
+            # a node elsewhere that reads nothing allocated here: an empty block (_forward_node frees nothing)
+            if blocks is None:
+                b = curve_tree.get(fwd, k1[n.id])
+                if b is None or b.delta or b.rise or b.nid != n.id:
+                    fwd = curve_tree.assign(fwd, k1[n.id], n.id, 0, 0)
+            else:
+                blocks[n.id] = (0, 0)
+            continue
         seq = _BlockSeq(cuda)
         left: dict[Ref, int] = {}
         for _, r in n.inputs:
