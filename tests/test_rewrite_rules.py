@@ -752,3 +752,36 @@ def test_rewrite_restores_the_cycle_collector(tmp_path, monkeypatch, enabled):
         assert gc.isenabled() is enabled
     finally:
         gc.enable()
+
+
+def test_replay_budget_refuses(tmp_path):
+    """NOTE [Replay budget]: dropping an unread drafter norm changes autograd's path, so each such rewrite is
+    priced by a full replay: a graph over SMALL_REWRITE_NODES made of them is refused once its replays pass
+    REPLAY_BUDGET (both bounds named, --no-rewrite as the hint; the count is of the graph as written, so dropping
+    nodes below the bound does not lift it), and checks as written; one at the bound is rewritten."""
+    from pathlib import Path
+
+    from dflash_graph.errors import GraphError
+    from dflash_graph.rewrite.engine import REPLAY_BUDGET, SMALL_REWRITE_NODES
+
+    root = Path(__file__).resolve().parent.parent
+    head, sep, data = (root / "graphs/tiny.toml").read_text().partition("\n[data]")
+    written = len(re.findall(r"^\[\[nodes\]\]", head, flags=re.M))
+    (tmp_path / "tiny").symlink_to(root / "graphs/tiny")
+
+    def norms(total: int) -> str:
+        p = tmp_path / f"norms_{total}.toml"
+        p.write_text(head + "".join(f'\n[[nodes]]\nid = "unread_norm_{i}"\nop = "norm"\nmodel = "drafter"\n'
+                                    f'device = "draft"\ninputs = {{ x = "drafter.hidden" }}\n'
+                                    for i in range(total - written)) + sep + data)
+        return str(p)
+
+    over = norms(SMALL_REWRITE_NODES + 10)
+    with pytest.raises(GraphError) as e:
+        compile_graph(over)
+    msg = str(e.value)
+    assert f"the graph has {SMALL_REWRITE_NODES + 10} nodes" in msg and f"{REPLAY_BUDGET:,} node replays" in msg
+    assert f"a graph over {SMALL_REWRITE_NODES} nodes" in msg and "--no-rewrite" in msg
+    assert not compile_graph(over, rewrite=False).rewritten
+    plan = compile_graph(norms(SMALL_REWRITE_NODES))
+    assert sum(a.rule == "drop_unused" for a in plan.applied) >= SMALL_REWRITE_NODES - written
