@@ -613,7 +613,8 @@ class _Certs:
         self.undirected: dict[str, set] = {}        # device -> certificates that keep no node placed on it
         self.by_replicas: dict[int, set] = {}
         self.by_source: dict[str, set] = {}         # producer of a redirected ref -> certificates
-        self.witnesses: dict[str, list] = {}        # device -> max-heap of (-witness order key, key, id(cert))
+        self.witnesses: dict[str, list] = {}        # device -> max-heap of (-witness order key, n, key, cert)
+        self._pushed = 0                             # (n: a tie-break, so that certificates are never compared)
 
     def __bool__(self) -> bool:
         return bool(self.certs)
@@ -636,7 +637,8 @@ class _Certs:
         for src, _ in cert.redirect:
             self.by_source.setdefault(src, set()).add(key)
         if cert.witness:
-            heapq.heappush(self.witnesses.setdefault(cert.device, []), (-order[cert.witness], key, id(cert)))
+            self._pushed += 1
+            heapq.heappush(self.witnesses.setdefault(cert.device, []), (-order[cert.witness], self._pushed, key, cert))
 
     def after(self, old: Typed, new: Typed) -> set[tuple[str, str]] | None:
         """Drop the certificates the accepted rewrite old -> new voids; their keys (None: a rebuilt graph, every
@@ -647,7 +649,6 @@ class _Certs:
         ch = g2._change if g2.parent() is g else None
         if ch is None:
             kept = _still_certain(self.certs, old, new)
-            dropped = self.certs.keys() - kept.keys()
             self.certs = {}
             self._clear_index()
             order = g2._key
@@ -681,27 +682,26 @@ class _Certs:
             first[d] = min([first_gone] + [pos[p] for p in producers if d in old.ctx.devices_of(g[p].device)])
             heap = self.witnesses.get(d, [])
             while heap and -heap[0][0] >= first[d]:
-                _, key, ident = heapq.heappop(heap)
-                c = self.certs.get(key)
-                if c is not None and id(c) == ident:
+                *_, key, cert = heapq.heappop(heap)
+                if self.certs.get(key) is cert:       # (not a certificate since dropped or replaced)
                     suspects.add(key)
         dropped = set()
         for key in suspects:
             c = self.certs.get(key)
-            if c is not None and (key in dropped or not _valid(c, old, first, pos, gone_ids, made, producers)
-                                  or c.witness in ch.moved):
+            if c is not None and (c.witness in ch.moved or not _valid(c, old, first, pos, gone_ids, made, producers)):
                 dropped.add(key)
         for key in dropped:
             self._forget(key, self.certs.pop(key))
         return dropped
 
     def _forget(self, key, c: "_Cert") -> None:
+        """Take a dropped certificate's key out of the indexes (its heap entry is skipped when popped)."""
         for table, names in ((self.by_device, (c.device,)),
                              (self.by_node, (*c.seeds, *c.removes, c.direct, c.widest, c.witness)),
                              (self.undirected, (c.device,) if c.direct is None else ()),
                              (self.by_replicas, (c.replicas,)), (self.by_source, [s for s, _ in c.redirect])):
             for name in names:
-                if name and key in table.get(name, ()) and self.certs.get(key) is None:
+                if name and name in table:
                     table[name].discard(key)
 
 
