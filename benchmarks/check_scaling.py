@@ -5,12 +5,12 @@ push_selections and merge rules), and tests/graphs/minimal.toml with L target la
 exponent log(time ratio) / log(size ratio) (1: linear, 2: square, 3: cube), measured side by side in one process
 (not a timed assert).
 
-    python benchmarks/check_scaling.py              # rewritten: 25..400 nodes (600: refused); as written: 100..5000; layers 2..10,000 (20,000: refused)
+    python benchmarks/check_scaling.py              # rewritten: 25..300 nodes (400: refused); as written: 100..5000; layers 2..10,000 (20,000: refused)
     python benchmarks/check_scaling.py --nodes 50 100 --written 1000 --layers 2 64 --graph graphs/qwen27b.toml
     python benchmarks/check_scaling.py --nodes 200 400 800 1000 --lift-rewrite-bound   # past the rewrite bound
     python benchmarks/check_scaling.py --repeat 3 ...   # the least of 3 runs per size (a shared machine's times spread)
 
-A size over a bound is reported as refused, with the bound: rewriting at 500 nodes (rewrite/engine.py, NOTE
+A size over a bound is reported as refused, with the bound: rewriting at 300 nodes (rewrite/engine.py, NOTE
 [Rewrite bound]; larger graphs check as written, --no-rewrite), 5,000 nodes (MAX_NODES) and 10,000 layers
 (analysis/infer.py, NOTE [Layer bound]; identical layers are folded, NOTE [Layer folding]).
 """
@@ -112,7 +112,7 @@ def _refused(size: int, e: GraphError) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, nargs="*", default=[25, 50, 100, 200, 400, 600])
+    ap.add_argument("--nodes", type=int, nargs="*", default=[25, 50, 100, 200, 300, 400])
     ap.add_argument("--written", type=int, nargs="*", default=[100, 1000, 2000, 5000])
     ap.add_argument("--layers", type=int, nargs="*", default=[2, 64, 512, 2000, 10000, 20000])
     ap.add_argument("--graph", default="tests/graphs/minimal.toml", help="the graph whose target's layers vary")

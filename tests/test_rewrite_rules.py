@@ -547,12 +547,13 @@ def test_rewrite_bound_refuses_with_hint_and_checks_as_written(tmp_path):
 
 def test_rewrite_work_grows_linearly(tmp_path, monkeypatch):
     """NOTE [Resumed scan], NOTE [Certificate index]: the work of rewriting a widened graph of
-    benchmarks/check_scaling.py, counted (not timed), grows with the graph, not faster: the nodes examined, the
-    certificates tested after an accepted rewrite, and the node groups built from scratch (Graph.groups keeps
-    them across rewrites). Before the index and merge_duplicates' narrower footprint, examinations per node grew
+    benchmarks/check_scaling.py, counted (not timed) at a quarter of the rewrite bound and at the bound, grows with
+    the graph, not faster: the nodes examined, the certificates tested after an accepted rewrite, and the node
+    groups built from scratch (Graph.groups keeps them across rewrites). Before the index and merge_duplicates' narrower footprint, examinations per node grew
     1.6x from 250 to 1,000 nodes, and every accepted rewrite tested every certificate."""
     from dflash_graph.ir.graph import Graph
     from dflash_graph.rewrite import engine
+    from dflash_graph.rewrite.engine import MAX_REWRITE_NODES
 
     counts: dict[str, int] = {}
 
@@ -573,16 +574,17 @@ def test_rewrite_work_grows_linearly(tmp_path, monkeypatch):
     monkeypatch.setattr(Graph, "derived", derived)
     cs = _check_scaling()
     per_node = {}
-    for n in (100, 400):
+    sizes = (MAX_REWRITE_NODES // 4, MAX_REWRITE_NODES)
+    for n in sizes:
         counts.clear()
         plan = compile_graph(str(cs.wide_graph(tmp_path, n)))
         per_node[n] = {k: v / len(plan.original.graph) for k, v in counts.items()}
         assert len(plan.applied) > n
-    small, large = per_node[100], per_node[400]
+    small, large = per_node[sizes[0]], per_node[sizes[1]]
     assert large["examine"] <= 1.1 * small["examine"], per_node
     assert large["certificates"] >= small["certificates"] > 0.1, per_node     # (the index has work to do)
     assert large.get("valid", 0) <= 1.1 * max(small.get("valid", 0), 1), per_node
-    assert large["built"] * 400 <= small["built"] * 100 + 10, per_node   # built a fixed number of times
+    assert large["built"] * sizes[1] <= small["built"] * sizes[0] + 10, per_node   # built a fixed number of times
 
 
 def test_check_scaling_benchmark_smoke(capsys):
