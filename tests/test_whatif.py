@@ -71,3 +71,16 @@ def test_max_on_the_command_line(in_repo, capsys):
     js = json.loads(capsys.readouterr().out)
     assert code == 0 and js["max"]["value"] == js["max"]["next"]["value"] - 1
     assert js["max"]["binding"]["device"] == "gpu7"
+
+
+def test_names_in_lists_dims_not_the_functions_called():
+    """ir.dims.names_in: the dims and model references an expression names, not min/max nor a model's name
+    (contract expressions are cached by the dims they name: ops/contract.py NOTE [Contract expressions cached])."""
+    from dflash_graph.ir.dims import names_in, parse_expr
+    from dflash_graph.ir.types import Dim
+    from dflash_graph.ops.contract import evaluate_token
+
+    assert sorted(names_in(parse_expr("min(seq, 4) + max(a, target.hidden_size) // b"))) == \
+        ["a", "b", "seq", "target.hidden_size"]
+    d = evaluate_token("min(a, b*2)", {"a": Dim("a", 3), "b": Dim("b", 1)})
+    assert d.value == 2 and "Min" in d.sym

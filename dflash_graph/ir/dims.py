@@ -58,18 +58,17 @@ def parse_expr(text: str) -> ast.expr:
 
 
 def names_in(node: ast.expr) -> list[str]:
-    """Dim names and dotted model references (`target.hidden_size`) used by an expression."""
+    """Dim names and dotted model references (`target.hidden_size`) used by an expression; not the functions it
+    calls (min, max) nor the model name before a dot."""
+    not_dims = {id(n.value) for n in ast.walk(node) if isinstance(n, ast.Attribute)} | \
+        {id(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
     out = []
     for n in ast.walk(node):
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
             out.append(f"{n.value.id}.{n.attr}")
-        elif isinstance(n, ast.Name) and not _is_attr_base(node, n):
+        elif isinstance(n, ast.Name) and id(n) not in not_dims:
             out.append(n.id)
     return out
-
-
-def _is_attr_base(root: ast.expr, name: ast.Name) -> bool:
-    return any(isinstance(n, ast.Attribute) and n.value is name for n in ast.walk(root))
 
 
 def evaluate(node: ast.expr, lookup: Callable[[str], tuple[sympy.Expr, int]]) -> tuple[sympy.Expr, int]:

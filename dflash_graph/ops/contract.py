@@ -251,15 +251,10 @@ def evaluate_token(t: str, binds: Binds) -> Dim:
 
 @functools.lru_cache(maxsize=4096)
 def _names(t: str) -> tuple[str, ...]:
-    """The dims an expression names (min and max, which it calls, are not dims)."""
-    import ast
-
+    """The dims an expression names, once each."""
     from ..ir.dims import names_in, parse_expr
 
-    tree = parse_expr(t)
-    called = {id(c.func) for c in ast.walk(tree) if isinstance(c, ast.Call)}
-    return tuple(dict.fromkeys(n for n in names_in(tree) if n not in
-                               {x.id for x in ast.walk(tree) if isinstance(x, ast.Name) and id(x) in called}))
+    return tuple(dict.fromkeys(names_in(parse_expr(t))))
 
 
 @functools.lru_cache(maxsize=65536)
