@@ -541,36 +541,50 @@ def _still_certain(certs: dict, old: Typed, new: Typed) -> dict:
     """The certificates an accepted rewrite (old -> new) leaves valid: their witness comes before every node
     the rewrite affects, in the old graph's order, no seed of theirs is affected, and their device's load is
     the same. (The test of every certificate; the driver reads it through _Certs, NOTE [Certificate index].)"""
-    from ..analysis.memory import load_signature
-
-    g, g2 = old.graph, new.graph
-    ch = g2._change if g2.parent() is g else None
-    if ch is None:
-        pos = {n.id: i for i, n in enumerate(g.nodes)}
-        kept_objs = {id(n) for n in g2.nodes}
-        old_objs = {id(n) for n in g.nodes}
-        gone = [n for n in g.nodes if id(n) not in kept_objs]
-        made = [n for n in g2.nodes if id(n) not in old_objs]
-        end = len(pos)
-    else:      # positions compared only: the old graph's order keys (NOTE [Graph order keys])
-        pos, gone, made, end = g._key, list(ch.gone), list(ch.made), g._keys[-1] + 1 if g._keys else 0
-    # a tensor's readers matter to a device's replay where it is made: on the devices its producer runs on
-    first_gone = min((pos[n.id] for n in gone), default=end)
-    producers = {r.node for n in gone + made for _, r in n.inputs if r.node in pos}
-    gone_ids = {n.id for n in gone}
-    first: dict[str, int] = {}
-    for d in {c.device for c in certs.values()}:
-        if (load_signature(old, d) != load_signature(new, d)) if ch is None else _load_changed(old, new, ch, d):
-            first[d] = -1
-            continue
-        first[d] = min([first_gone] + [pos[p] for p in producers if d in old.ctx.devices_of(g[p].device)])
-    return {k: c for k, c in certs.items() if _valid(c, old, first, pos, gone_ids, made, producers)}
+    frame = _Frame.of(old, new, {c.device for c in certs.values()})
+    return {k: c for k, c in certs.items() if _valid(c, old, frame)}
 
 
-def _valid(c: "_Cert", old: Typed, first: Mapping[str, int], pos: Mapping[str, int], gone_ids: set[str],
-           made: Sequence[Node], producers: set[str]) -> bool:
-    """Whether certificate `c` holds after a rewrite of `old` (_still_certain): `first`, per device, the order
-    position of the first node the rewrite affects there (-1: its load changed)."""
+@attrs.frozen
+class _Frame:
+    """What a certificate's validity reads of an accepted rewrite old -> new (_still_certain, _Certs.after)."""
+    change: Change | None     # what replace changed (None: the graph was rebuilt)
+    pos: Mapping[str, int]    # the old graph's order positions
+    gone_ids: set[str]
+    made: list[Node]
+    producers: set[str]       # producers of a tensor whose readers the rewrite changed
+    first: dict[str, int]     # per device: the position of the first node the rewrite affects (-1: load changed)
+
+    @classmethod
+    def of(cls, old: Typed, new: Typed, devices: Iterable[str]) -> "_Frame":
+        from ..analysis.memory import load_signature
+
+        g, g2 = old.graph, new.graph
+        ch = g2._change if g2.parent() is g else None
+        if ch is None:
+            pos = {n.id: i for i, n in enumerate(g.nodes)}
+            kept_objs = {id(n) for n in g2.nodes}
+            old_objs = {id(n) for n in g.nodes}
+            gone = [n for n in g.nodes if id(n) not in kept_objs]
+            made = [n for n in g2.nodes if id(n) not in old_objs]
+            end = len(pos)
+        else:      # positions compared only: the old graph's order keys (NOTE [Graph order keys])
+            pos, gone, made, end = g._key, list(ch.gone), list(ch.made), g._keys[-1] + 1 if g._keys else 0
+        # a tensor's readers matter to a device's replay where it is made: on the devices its producer runs on
+        first_gone = min((pos[n.id] for n in gone), default=end)
+        producers = {r.node for n in gone + made for _, r in n.inputs if r.node in pos}
+        first: dict[str, int] = {}
+        for d in devices:
+            if (load_signature(old, d) != load_signature(new, d)) if ch is None else _load_changed(old, new, ch, d):
+                first[d] = -1
+            else:
+                first[d] = min([first_gone] + [pos[p] for p in producers if d in old.ctx.devices_of(g[p].device)])
+        return cls(ch, pos, {n.id for n in gone}, made, producers, first)
+
+
+def _valid(c: "_Cert", old: Typed, f: _Frame) -> bool:
+    """Whether certificate `c` holds after the rewrite of `old` that `f` describes (_still_certain)."""
+    first, pos, gone_ids, made, producers = f.first, f.pos, f.gone_ids, f.made, f.producers
     if first[c.device] < 0 or c.seeds & gone_ids or c.removes & gone_ids:
         return False
     if c.direct in gone_ids or (c.direct is None and any(n.device == c.device for n in made)):
@@ -645,50 +659,40 @@ class _Certs:
         certificate was tested and the indexes made again)."""
         import heapq
 
-        g, g2 = old.graph, new.graph
-        ch = g2._change if g2.parent() is g else None
+        devices = [d for d, keys in self.by_device.items() if keys]
+        f = _Frame.of(old, new, devices)
+        ch = f.change
         if ch is None:
-            kept = _still_certain(self.certs, old, new)
+            kept = {k: c for k, c in self.certs.items() if _valid(c, old, f)}
             self.certs = {}
             self._clear_index()
-            order = g2._key
             for k, c in kept.items():
-                self.add(k, c, order)
+                self.add(k, c, new.graph._key)
             return None
-        pos, gone, made = g._key, list(ch.gone), list(ch.made)
-        end = g._keys[-1] + 1 if g._keys else 0
-        gone_ids = {n.id for n in gone}
-        producers = {r.node for n in gone + made for _, r in n.inputs if r.node in pos}
-        first_gone = min((pos[n.id] for n in gone), default=end)
         suspects: set = set()
-        for nid in (*gone_ids, *ch.moved):
+        for nid in (*f.gone_ids, *ch.moved):
             suspects |= self.by_node.get(nid, set())
-        for n in made:
+        for n in f.made:
             suspects |= self.undirected.get(n.device, set())
-        width = max((len(old.ctx.devices_of(n.device)) for n in made), default=0)
+        width = max((len(old.ctx.devices_of(n.device)) for n in f.made), default=0)
         for r, keys in self.by_replicas.items():
             if r < width:
                 suspects |= keys
-        for p in producers:
+        for p in f.producers:
             suspects |= self.by_source.get(p, set())
-        first: dict[str, int] = {}
-        for d, keys in self.by_device.items():
-            if not keys:
+        for d in devices:
+            if f.first[d] < 0:
+                suspects |= self.by_device[d]
                 continue
-            if _load_changed(old, new, ch, d):
-                first[d] = -1
-                suspects |= keys
-                continue
-            first[d] = min([first_gone] + [pos[p] for p in producers if d in old.ctx.devices_of(g[p].device)])
             heap = self.witnesses.get(d, [])
-            while heap and -heap[0][0] >= first[d]:
+            while heap and -heap[0][0] >= f.first[d]:
                 *_, key, cert = heapq.heappop(heap)
                 if self.certs.get(key) is cert:       # (not a certificate since dropped or replaced)
                     suspects.add(key)
         dropped = set()
         for key in suspects:
             c = self.certs.get(key)
-            if c is not None and (c.witness in ch.moved or not _valid(c, old, first, pos, gone_ids, made, producers)):
+            if c is not None and (c.witness in ch.moved or not _valid(c, old, f)):
                 dropped.add(key)
         for key in dropped:
             self._forget(key, self.certs.pop(key))
