@@ -40,7 +40,7 @@ inputs = { x = "hooks.layer0" }
     plan = compile_typed(typed)
     assert dict(plan.typed.graph["hooks"].params)["layers"] == [0]
     assert ("drop_unused", ("hooks",)) in [(a.rule, a.nodes) for a in plan.applied]
-    from dflash_graph.analysis.memory import hook_refs
+    from dflash_graph.analysis.nodecost import hook_refs
 
     assert set(hook_refs(plan.original, "body")) == {0, 1}
     assert set(hook_refs(plan.typed, "body")) == {0}     # the forward no longer hooks (or keeps) layer 1

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dflash_graph.analysis.launch import analyze_launch, step_flops
-from dflash_graph.analysis.memory import grad_nodes, node_cost
+from dflash_graph.analysis.nodecost import grad_nodes, node_cost
 from dflash_graph.cli.main import main
 from dflash_graph.errors import GraphError
 from dflash_graph.rewrite.pipeline import compile_graph

@@ -20,6 +20,7 @@ import attrs
 
 from ..ops import registry
 from .infer import Typed
+from .nodecost import grad_nodes, grad_seed, node_cost
 
 
 @attrs.frozen
@@ -122,8 +123,6 @@ def executions(typed: Typed, node_device: str, device: str) -> int:
 
 def step_flops(typed: Typed) -> dict[str, int]:
     """Forward + backward FLOPs per optimizer step on each device (see the module docstring)."""
-    from .memory import grad_nodes, node_cost
-
     grads = grad_nodes(typed)
     accum = int(typed.ctx.spec.train.get("grad_accum", 1) or 1)
     out = {d: 0 for d in typed.ctx.spec.devices}
@@ -131,11 +130,7 @@ def step_flops(typed: Typed) -> dict[str, int]:
         grad = n.id in grads
         f = node_cost(typed, n, grad).flops
         if grad:
-            op = registry.get(n.op)
-            m = typed.ctx.models.get(n.model) if n.model else None
-            own = bool(m and m.spec.trainable and op.components and
-                       any(m.component_owner(c).split(".")[0] == n.model for c in op.components))
-            f *= 3 if own else 2
+            f *= 3 if grad_seed(typed, n) else 2     # a seed holds trainable weights of its own
         for d in set(typed.ctx.devices_of(n.device)):
             out[d] += f * executions(typed, n.device, d) * accum
     return out

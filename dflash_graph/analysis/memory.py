@@ -36,11 +36,13 @@ import immutables
 from ..ir.graph import Node, Ref
 from ..models.registry import ARCHS
 from ..ops import registry
-from ..ops.costs import CostContext, NodeCost, program_peak
+from ..ops.costs import NodeCost, program_peak
 from ..units import DTYPE_BYTES, fmt_bytes
 from . import curve_tree
 from .allocator import AllocatorConfig, Event, Folded, Repeat, expand_events, round_size, simulate
 from .infer import Typed
+from .launch import nccl_outside_bytes, replicas
+from .nodecost import grad_nodes, grad_seed, hook_refs, node_cost
 
 STEPS_SIMULATED = 2
 
@@ -157,48 +159,6 @@ class MemoryReport:
 
 
 # -- costs --------------------------------------------------------------------------------------------------
-
-def grad_nodes(typed: Typed) -> set[str]:
-    """Nodes autograd records: those using a trainable model's own weights, and everything downstream of them."""
-    if "_grad_nodes" not in typed.cache:
-        typed.cache["_grad_nodes"] = frozenset(_grad_nodes(typed))
-    return set(typed.cache["_grad_nodes"])
-
-
-def _grad_nodes(typed: Typed) -> set[str]:
-    out: set[str] = set()
-    for n in typed.graph.nodes:
-        if grad_seed(typed, n) or any(r.node in out for _, r in n.inputs):
-            out.add(n.id)
-    return out
-
-
-def node_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
-    op = registry.get(node.op)
-    if op.cost is None:
-        return NodeCost()
-    ins, outs = typed.inputs_of(node.id), typed.outputs_of(node.id)
-    model = typed.ctx.models.get(node.model) if node.model else None
-    if model is not None:
-        db = DTYPE_BYTES[model.spec.dtype]
-    else:
-        db = DTYPE_BYTES[next(iter(ins.values())).dtype] if ins else 4
-    taps = frozenset(hook_refs(typed, node.id)) if "taps" in outs else frozenset()
-    return op.cost(CostContext(node, ins, outs, model.dims if model else None, db, grad, taps))
-
-
-def hook_refs(typed: Typed, nid: str) -> dict[int, Ref]:
-    """For a forward node: each layer that hook_capture nodes ask for through its `taps`, and the output (of the
-    hook node) that owns it. A layer is captured by at most one hook node (checked by infer)."""
-    key = ("hooks", nid)
-    if key not in typed.cache:
-        out: dict[int, Ref] = {}
-        for hook_id, _ in typed.graph.consumers(Ref(nid, "taps")):
-            for i in registry.get(typed.graph[hook_id].op).layer_ids(typed.params[hook_id]):
-                out.setdefault(int(i), Ref(hook_id, f"layer{i}"))
-        typed.cache[key] = out
-    return typed.cache[key]
-
 
 def _cached_cost(typed: Typed, node: Node, grad: bool) -> NodeCost:
     # costs depend on the node and its types, not on the device: compute once per node, kept across rewrites
@@ -765,8 +725,6 @@ def _no_cache(events: list, usable: int) -> _NoCacheResult:
 def outside_bytes(typed: Typed, device: str) -> int:
     """What lies outside PyTorch's allocator on a device: its declared outside_allocator, plus NCCL's buffers for
     each peer rank under torchrun (analysis/launch.py). The one definition every verdict uses."""
-    from .launch import nccl_outside_bytes
-
     return typed.ctx.spec.devices[device].outside_allocator + nccl_outside_bytes(typed)[device]
 
 
@@ -997,8 +955,6 @@ def _frozen_grads(typed: Typed) -> frozenset:
 def _rewrite_delta(prev: Typed, typed: Typed) -> _Delta | None:
     """What the rewrite prev -> typed changes, device by device the same (NOTE [Live curve]); None where the
     curve cannot be updated."""
-    from .launch import replicas
-
     again = typed.cache.get("_reinferred")
     if prev.ctx is not typed.ctx or again is None or replicas(prev) != replicas(typed):
         return None
@@ -1384,15 +1340,6 @@ def load_signature(typed: Typed, device: str) -> tuple:
                        for n in on if registry.get(n.op).traits.movement and int(typed.params[n.id].get("queue", 1)) > 1)
         typed.cache[key] = (tuple(sorted(comps.items())), queues, int(ctx.spec.train.get("grad_accum", 1) or 1))
     return typed.cache[key]
-
-
-def grad_seed(typed: Typed, node: Node) -> bool:
-    """A node autograd records whatever its inputs: it uses a trainable model's own weights (grad_nodes)."""
-    op = registry.get(node.op)
-    if not (node.model and op.components):
-        return False
-    m = typed.ctx.models[node.model]
-    return m.spec.trainable and any(m.component_owner(c).split(".")[0] == node.model for c in op.components)
 
 
 def events_peak(events, rounded: bool = False) -> int:

@@ -14,12 +14,12 @@ import os
 import sympy
 
 from ..analysis.infer import Typed
-from ..analysis.memory import grad_nodes, hook_refs
+from ..analysis.nodecost import cost_context, grad_nodes
 from ..errors import GraphError, Location, Problem, did_you_mean
 from ..ir.dims import symbol
 from ..ir.types import Dim, TensorType
 from ..ops import registry
-from ..ops.costs import CostContext, program_peak, program_steps
+from ..ops.costs import program_peak, program_steps
 from ..rewrite.pipeline import Plan
 from ..rewrite.rules import ALL_RULES
 from ..units import DTYPE_BYTES, fmt_bytes
@@ -47,12 +47,8 @@ def symbolic_cost(typed: Typed, nid: str):
     names = {n: symbol(n) for n in typed.ctx.env.names}
     ins = {k: _sym_type(t, names) for k, t in typed.inputs_of(nid).items()}
     outs = {k: _sym_type(t, names) for k, t in typed.outputs_of(nid).items()}
-    model = typed.ctx.models.get(node.model) if node.model else None
-    db = DTYPE_BYTES[model.spec.dtype] if model else (DTYPE_BYTES[next(iter(ins.values())).dtype] if ins else 4)
-    taps = frozenset(hook_refs(typed, nid)) if "taps" in outs else frozenset()
     try:
-        return op.cost(CostContext(node, ins, outs, model.dims if model else None, db, nid in grad_nodes(typed),
-                                   taps))
+        return op.cost(cost_context(typed, node, nid in grad_nodes(typed), ins, outs))
     except (TypeError, ValueError, AttributeError, KeyError, IndexError):
         return None
 
@@ -146,7 +142,7 @@ def explain(plan: Plan, nid: str) -> str:
     # costs
     out.append("")
     grad = nid in grad_nodes(typed)
-    from ..analysis.memory import node_cost
+    from ..analysis.nodecost import node_cost
 
     cost = node_cost(typed, node, grad)
     sym = symbolic_cost(typed, nid)

@@ -382,7 +382,7 @@ def check_launch(typed, launch: Launch, writer_ranks: set[int]) -> None:
         problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writer_ranks)}; one rank must own "
                                 "all of them (it steps the optimizer and writes the checkpoints)", spec.loc("devices"),
                                 hint="give the drafter's devices one rank"))
-    from ..analysis.memory import grad_nodes
+    from ..analysis.nodecost import grad_nodes
 
     grads = grad_nodes(typed)
     by_dst: dict[tuple[int, int], set[int]] = {}

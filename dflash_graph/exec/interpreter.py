@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from ..analysis.infer import Typed
-from ..analysis.memory import grad_nodes
+from ..analysis.nodecost import grad_nodes, hook_refs
 from ..ir.graph import Node, Ref
 from ..ops import registry
 from .contracts import check_node
@@ -151,8 +151,6 @@ class Interpreter:
             tdevs = [torch.device(self.torch_device[d]) for d in devices]
             params = self.params[n.id]
             if "taps" in self.typed.outputs_of(n.id):
-                from ..analysis.memory import hook_refs
-
                 params = {**params, "_taps": sorted(hook_refs(self.typed, n.id))}
             roles = [self.role(n, r) for r in range(self.replicas)]
             sched.append((n, self.impls[n.id], params, wanted, frees, devices, tdevs,

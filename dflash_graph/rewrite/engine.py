@@ -436,7 +436,7 @@ def _affected(old: Typed, new: Typed, rules: Sequence[Rule]) -> set[str] | None:
 # types, costs and hooks) and on how many readers the tensors they make have (every iteration runs the same
 # forward; a tensor's readers matter where it is made, on its producer's devices). L_0 is the device's load
 # (memory.load_signature); a later L_i is at least L_0 plus the weight gradients made in iteration 0, which the
-# trainable models' seed nodes on the device decide (memory.grad_seed): a certificate is only made when L_i was
+# trainable models' seed nodes on the device decide (nodecost.grad_seed): a certificate is only made when L_i was
 # exactly that, every backward node with a trainable model has a seed of its model on the device, and the
 # candidate's graph kept its written order. An accepted rewrite then leaves the certificate valid when
 #   - every node it removes, rewires or adds, and every producer (on the device) of a tensor whose readers it
@@ -476,7 +476,7 @@ def _rep_key(rep: Replacement) -> tuple:
 
 def _certificate(typed: Typed, new: Typed, rep: Replacement, peaks: Mapping[str, int]) -> "_Cert | None":
     """The certificate of a candidate (typed -> new) that pricing rejected, when its witness allows one."""
-    from ..analysis.memory import grad_nodes, grad_seed
+    from ..analysis.nodecost import grad_nodes, grad_seed
 
     over = new.cache.get("_over")
     if over is None:

@@ -45,7 +45,7 @@ import attrs
 import torch
 
 from ..analysis.launch import analyze_launch, device_for
-from ..analysis.memory import grad_nodes
+from ..analysis.nodecost import grad_nodes
 from ..errors import GraphError, Location, Problem
 from ..exec.devices import torch_devices
 from ..exec.interpreter import Interpreter
