@@ -129,8 +129,8 @@ def render(dot_text: str, path: str) -> str:
 
 
 def cmd_draw(args) -> int:
-    from .check import _plan
+    from .options import plan_from_args
 
-    plan = _plan(args)
+    plan = plan_from_args(args)
     print(render(plan_dot(plan), args.output))
     return 0

@@ -188,9 +188,9 @@ def explain(plan: Plan, nid: str) -> str:
         out.append("rewrites that touched it:")
         for a in touched:
             rule = ALL_RULES.get(a.rule)
-            from .check import _by_amount
+            from .report import by_amount
 
-            saved = _by_amount(a.saved_bytes) or "no peak change"
+            saved = by_amount(a.saved_bytes) or "no peak change"
             out.append(f"  {a.pass_name}/{a.rule} on {', '.join(a.nodes)}: peak saved {saved}")
             if rule is not None:
                 out.append(f"    legal by {rule.trait}: {rule.doc}")
@@ -198,8 +198,8 @@ def explain(plan: Plan, nid: str) -> str:
 
 
 def cmd_explain(args) -> int:
-    from .check import _plan
+    from .options import plan_from_args
 
-    plan = _plan(args)
+    plan = plan_from_args(args)
     print(explain(plan, args.node))
     return 0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from ..rewrite.pipeline import compile_graph
-from .check import render_host, render_memory, render_ooms, render_rewrites
+from .options import host_overrides, mapped_overrides
+from .report import render_host, render_memory, render_ooms, render_rewrites
 
 
 def _allocator_env(plan) -> None:
@@ -25,55 +25,6 @@ def _allocator_env(plan) -> None:
     elif os.environ.get("PYTORCH_CUDA_ALLOC_CONF") and not conf:
         print(f"note: PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']} is set, but the graph's "
               "[memory] assumes the default allocator", file=sys.stderr)
-
-
-def _host_overrides(args) -> list[str]:
-    """--host-memory SIZE is [memory] host_memory for this command, read here so that a bad size names the flag."""
-    text = getattr(args, "host_memory", None)
-    if text is None:
-        return []
-    from ..errors import GraphError, Location, Problem
-    from ..units import parse_bytes
-
-    try:
-        n = parse_bytes(text)
-    except ValueError as e:
-        raise GraphError(Problem(f"--host-memory {e}", Location(None, None, None, f"--host-memory {text}"),
-                                 hint="e.g. --host-memory 512GiB (the memory of the host the run will use)")) from None
-    if n < 1:
-        raise GraphError(Problem(f"--host-memory must be above 0, got {text!r}",
-                                 Location(None, None, None, f"--host-memory {text}"), hint="e.g. --host-memory 512GiB"))
-    return [f"memory.host_memory={n}"]
-
-
-def _mapped_overrides(args, extra: Sequence[str] = ()) -> list[str]:
-    """--device-map rewrites the devices' torch names before check runs, so the prediction is for the devices the
-    run will use (a CUDA graph mapped to CPU is predicted without the caching allocator). A device that moves from
-    a GPU to the CPU takes the host's memory as its capacity (the GPU's capacity and its CUDA context outside the
-    allocator no longer apply); all the CPU devices share that memory (analysis/memory.py, HostMemory)."""
-    import fnmatch
-
-    from ..analysis.memory import host_memory_bytes, is_cpu
-    from ..exec.devices import parse_device_map
-    from ..spec.loader import load_graph
-
-    mapping = parse_device_map(args.device_map)
-    if not mapping:
-        return []
-    spec = load_graph(args.graph, [*args.overrides, *extra])
-    host = None
-    out = []
-    for name, dev in spec.devices.items():
-        for pat, dst in mapping:
-            if fnmatch.fnmatch(dev.torch, pat):
-                out.append(f"devices.{name}.torch={dst}")
-                if is_cpu(dst) and not is_cpu(dev.torch):
-                    if host is None:
-                        host = host_memory_bytes(spec)[0] or 0
-                    if host:
-                        out += [f"devices.{name}.capacity={host}", f"devices.{name}.outside_allocator=0"]
-                break
-    return out
 
 
 def cmd_run(args) -> int:
@@ -94,8 +45,8 @@ def cmd_run(args) -> int:
     distributed = under_torchrun()
     # under torchrun every rank checks the same graph and reaches the same verdict; rank 0 prints it
     talk = not distributed or os.environ.get("RANK") == "0"
-    host = _host_overrides(args)   # not recorded with the --set flags in run.json: a figure of this host
-    plan = compile_graph(args.graph, [*args.overrides, *host, *_mapped_overrides(args, host)], rewrite=not args.no_rewrite,
+    host = host_overrides(args)   # not recorded with the --set flags in run.json: a figure of this host
+    plan = compile_graph(args.graph, [*args.overrides, *host, *mapped_overrides(args, host)], rewrite=not args.no_rewrite,
                          rules_off=args.rules_off)
     spec = plan.typed.ctx.spec
     if talk:
