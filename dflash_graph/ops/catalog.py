@@ -1,4 +1,7 @@
-"""The built-in node kinds. Each op is declared once: contract, params, traits, cost, implementation."""
+"""The built-in node kinds. Each op is declared once: contract, params, traits, cost, implementation.
+
+This module declares them (`BUILTIN`, in declaration order); ops/registry.py registers them. It does not import the
+registry: a declaration is data, and the registry is the one place that collects it."""
 
 from __future__ import annotations
 
@@ -8,9 +11,15 @@ from typing import Any
 from ..ir.graph import Node, Ref
 from . import costs
 from .contract import BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, Selection, Traits
-from .registry import OPS, register
 
 IMPL = "dflash_graph.ops.torch_impl"
+
+BUILTIN: list[OpDef] = []
+
+
+def declare(op: OpDef) -> OpDef:
+    BUILTIN.append(op)
+    return op
 
 
 def _hook_outputs(params: Mapping[str, Any]) -> tuple[Port, ...]:
@@ -43,7 +52,7 @@ _TAPS = Port("taps", "seq", "handle", optional=True,
              doc="where hook_capture nodes attach: the layers they ask for are hooked during this forward")
 
 
-register(OpDef(
+declare(OpDef(
     name="token_input",
     doc="A packed sequence of `length` tokens from the data loader (one per replica on a group).",
     inputs=(),
@@ -57,7 +66,7 @@ register(OpDef(
     impl=f"{IMPL}:token_input",
 ))
 
-register(OpDef(
+declare(OpDef(
     name="causal_lm_forward",
     doc="What `Qwen3_5ForCausalLM.forward()` does: the body, then the final norm and lm_head over every position, "
         "so it produces [seq, vocab] logits whether or not anyone reads them.",
@@ -72,7 +81,7 @@ register(OpDef(
     impl=f"{IMPL}:causal_lm_forward",
 ))
 
-register(OpDef(
+declare(OpDef(
     name="body_forward",
     doc="The transformer body only (`model.model(...)`): embedding and decoder layers, no lm_head.",
     inputs=_FORWARD_INPUTS,
@@ -86,7 +95,7 @@ register(OpDef(
 ))
 
 
-register(OpDef(
+declare(OpDef(
     name="hook_capture",
     doc="Capture the outputs of chosen decoder layers of a forward with forward hooks (layer i = output of "
         "decoder layer i = HF hidden_states[i+1]). Reads the forward's `taps`; the hooks are registered before "
@@ -111,7 +120,7 @@ def _concat_outputs(params: Mapping[str, Any]) -> tuple[Port, ...]:
     return (Port("out", "*batch " + "+".join(f"d{i}" for i in range(n)), "like:x0"),)
 
 
-register(OpDef(
+declare(OpDef(
     name="concat",
     doc="Concatenate tensors on the last (feature) axis: the captured layers become the drafter's context.",
     inputs=_concat_inputs,
@@ -122,7 +131,7 @@ register(OpDef(
     impl=f"{IMPL}:concat",
 ))
 
-register(OpDef(
+declare(OpDef(
     name="transfer",
     doc="Copy a tensor to the node's device (`.to(device)` in one process, send/recv across processes). "
         "From a group to one device, the receiver gets one batch per replica.",
@@ -136,7 +145,7 @@ register(OpDef(
     impl=f"{IMPL}:transfer",
 ))
 
-register(OpDef(
+declare(OpDef(
     name="anchor_sample",
     doc="Draw up to `count` anchors, sorted: per document (each gets its proportional share), on a grid of "
         "stride `block` with a random phase (blocks never overlap), at positions whose next token is a loss "
@@ -152,7 +161,7 @@ register(OpDef(
     impl=f"{IMPL}:anchor_sample",
 ))
 
-register(OpDef(
+declare(OpDef(
     name="block_positions",
     doc="The packed positions of each anchor's block: anchor + arange(block).",
     inputs=(Port("anchors", "*a", "int64"),),
@@ -173,7 +182,7 @@ def _gather_shape(ctx: BindContext, types: Mapping[str, Any]):
     return {"out": (*x[:axis], *idx, *x[axis + 1:])}
 
 
-register(OpDef(
+declare(OpDef(
     name="gather",
     doc="Select positions along `axis`: out[*pre, *idx, *post] = x[*pre, index[*idx], *post] (anchor gather).",
     inputs=(Port("x", "*x", "like:x"), Port("index", "*idx", "int64")),
@@ -194,7 +203,7 @@ def _axis_ok(ctx: BindContext, types: Mapping[str, Any]):
     return {"out": x}
 
 
-register(OpDef(
+declare(OpDef(
     name="roll",
     doc="torch.roll(x, shift, axis): out[i] = x[(i - shift) mod n] along `axis`.",
     inputs=(Port("x", "*x", "like:x"),),
@@ -216,7 +225,7 @@ def _index_shift_ref(t, p, index):
     return {"out": t.tensor(index.kinds, at, int)}
 
 
-register(OpDef(
+declare(OpDef(
     name="index_shift",
     doc="Index arithmetic: (index + shift) mod modulo, elementwise.",
     inputs=(Port("index", "*i", "int64"),),
@@ -231,7 +240,7 @@ register(OpDef(
     impl=f"{IMPL}:index_shift",
 ))
 
-register(OpDef(
+declare(OpDef(
     name="norm",
     doc="The model's RMSNorm (for Qwen3.5 the final norm, which multiplies by 1 + w) over the last axis.",
     inputs=(Port("x", "*batch hidden"),),
@@ -244,7 +253,7 @@ register(OpDef(
     impl=f"{IMPL}:norm",
 ))
 
-register(OpDef(
+declare(OpDef(
     name="lm_head",
     doc="The model's output projection to the vocabulary: [*, hidden] -> [*, vocab].",
     inputs=(Port("x", "*batch hidden"),),
@@ -269,7 +278,7 @@ def _ctx_width(c: BindContext):
     return sym * n, val * n
 
 
-register(OpDef(
+declare(OpDef(
     name="drafter_forward",
     doc="The DFlash drafter: fc + hidden_norm over the concatenated target features as context, block tokens "
         "(anchor token, then mask tokens) as queries, DFlash block mask. Returns hidden states before the final norm.",
@@ -283,7 +292,7 @@ register(OpDef(
     impl=f"{IMPL}:drafter_forward",
 ))
 
-register(OpDef(
+_LOSS = declare(OpDef(
     name="loss",
     doc="Drafter loss against the verifier at each scored block slot, decayed by exp(-(k-1)/gamma), slot 0 "
         "masked. Outputs the scalar loss, per-slot accuracy (drafter argmax == verifier argmax) and the "
@@ -309,9 +318,9 @@ register(OpDef(
     impl=f"{IMPL}:loss",
 ))
 
-_LOSS = OPS["loss"]   # the fused op has the loss op's outputs and loss params, declared once there
+# the fused op has the loss op's outputs and loss params, declared once there (_LOSS)
 
-register(OpDef(
+declare(OpDef(
     name="fused_head_loss",
     doc="The loss op on lm_head(x) (the drafter) and lm_head(target_x) (the verifier) with one shared W, computed "
         "`chunk` rows at a time: neither [anchors*block, vocab] logits tensor is ever made, in forward or backward. "
@@ -332,7 +341,7 @@ register(OpDef(
     impl=f"{IMPL}:fused_head_loss",
 ))
 
-register(OpDef(
+declare(OpDef(
     name="output",
     doc="Mark a tensor as a result of the graph (kept, returned by the interpreter); no outputs.",
     inputs=(Port("x", "*x", "like:x"),),

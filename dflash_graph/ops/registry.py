@@ -1,10 +1,12 @@
-"""The one registry of node kinds. Adding a node kind is one `register(OpDef(...))` call."""
+"""The one registry of node kinds: the built-in ones (`declare(OpDef(...))` in ops/catalog.py) and any a test
+registers for a while (`registered`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .catalog import BUILTIN
 from .contract import OpDef
 
 OPS: dict[str, OpDef] = {}
@@ -17,29 +19,23 @@ def register(op: OpDef) -> OpDef:
     return op
 
 
+for _op in BUILTIN:
+    register(_op)
+
+
 def get(name: str) -> OpDef | None:
-    op = OPS.get(name)
-    if op is None:
-        _load()
-        op = OPS.get(name)
-    return op
+    return OPS.get(name)
 
 
 def all_ops() -> dict[str, OpDef]:
-    _load()
     return dict(OPS)
 
 
 @contextmanager
 def registered(op: OpDef) -> Iterator[OpDef]:
     """Register an op for the duration of a block (tests register ops the rules have never seen)."""
-    _load()
     register(op)
     try:
         yield op
     finally:
         OPS.pop(op.name, None)
-
-
-def _load() -> None:
-    from . import catalog  # noqa: F401  (registers the built-in ops)
