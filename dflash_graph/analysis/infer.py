@@ -692,7 +692,7 @@ def _infer_node(node: Node, graph: Graph, ctx: GraphContext, types: Mapping[Ref,
     except ContractError as e:
         raise fail(f"cannot infer the output shape of op '{op.name}': {e}", "params",
                    expected=e.expected, actual=e.actual) from None
-    if op.device_rule == "transfer":
+    if op.device_rule == "any_input":
         out_device = node.device
     outs = {}
     for port in out_ports:

@@ -49,14 +49,14 @@ def ops_reference() -> str:
         out += [f"## `{name}`", "", op.doc, ""]
         if op.model_arch:
             out.append(f"- model: arch {' or '.join(op.model_arch)}; weights used: {', '.join(op.components)}")
-        example = {"layers": [1, 3]} if name == "hook_capture" else {}
+        example = dict(op.example.params) if op.example else {}
         ins = op.input_ports(example, 2)
         outs = op.output_ports({**example, "_n_inputs": 2})
         var = f" (a list: `{op.variadic_input}0`, `{op.variadic_input}1`, ...)" if op.variadic_input else ""
         out.append("- inputs" + var + ": " + (", ".join(f"`{p.name}` [{p.dims}] {p.dtype}" for p in ins) or "none"))
         out.append("- outputs: " + (", ".join(f"`{p.name}` [{p.dims}] {p.dtype}" + (" (optional)" if p.optional else "")
                                             for p in outs) or "none")
-                   + (" — one `layer<i>` per layer in `layers`" if example else ""))
+                   + (f" — {op.example.note}" if op.example else ""))
         if op.params:
             out.append("- params: " + "; ".join(f"`{p.name}` ({p.kind}{', required' if p.required else ''}"
                                                f"{', default ' + repr(p.default) if p.default is not None and not p.required else ''})"

@@ -118,23 +118,14 @@ class Interpreter:
             return
         seen: set[tuple[str, int]] = set()
         for n in self.order:
-            op = registry.get(n.op)
             if not n.model:
                 continue
             for dev in self.typed.ctx.devices_of(n.device):
                 if dev not in self.local:
                     continue
                 tdev = self.torch_device[dev]
-                roles = ["body"] if n.op in ("body_forward", "causal_lm_forward") else \
-                    (["drafter"] if n.op == "drafter_forward" else list(op.components))
-                for role in roles:
-                    mod = self.store.module(n, role, tdev)
-                    if role == "body":
-                        mod = mod.model   # the body; an lm_head is charged where an lm_head node uses it
-                    tensors = list(mod.parameters()) + list(mod.buffers())
-                    if role == "drafter":
-                        tensors.append(mod.embed.weight)
-                    for p in tensors:
+                for role in registry.get(n.op).module_roles():     # declared by the op (Traits.modules)
+                    for p in self.store.resident(n, role, tdev):
                         key = (dev, p.untyped_storage().data_ptr())
                         self.tracker.adopt(p, dev, charge=key not in seen)
                         seen.add(key)

@@ -127,11 +127,25 @@ class ModelStore:
         return self.drafters[model]
 
     def module(self, node, role: str, tdev: str) -> nn.Module:
+        """The module a node asks for by role (its op's Traits.modules, ops/contract.py): "body" (the model
+        built whole), "trainable" (the model's trainable module) or a component name."""
         if role == "body":
             return self.full(node.model, tdev)
-        if role == "drafter":
+        if role == "trainable":
             return self.drafter(node.model, tdev)
         return self.component(node.model, role, tdev)
+
+    def resident(self, node, role: str, tdev: str) -> list[torch.Tensor]:
+        """The tensors a role's module keeps on the device, as the memory model charges them: the body of a
+        model built whole (its lm_head is charged where an lm_head node uses it), a trainable module with the
+        embedding it borrows, a component's parameters and buffers."""
+        mod = self.module(node, role, tdev)
+        if role == "body":
+            mod = mod.model
+        tensors = list(mod.parameters()) + list(mod.buffers())
+        if role == "trainable":
+            tensors.append(mod.embed.weight)
+        return tensors
 
     def drop_unused_heads(self) -> None:
         """A full model whose lm_head no node on that torch device uses does not keep it (after the rewrite that
@@ -154,18 +168,11 @@ class ModelStore:
         """Build every module the graph's nodes use on the `local` devices (all by default), before the first step
         (so step 1 measures steady state)."""
         for n in self.typed.graph.nodes:
-            op = registry.get(n.op)
             if not n.model:
                 continue
             for dev in self.typed.ctx.devices_of(n.device):
                 if local is not None and dev not in local:
                     continue
-                tdev = self.torch_device[dev]
-                if n.op in ("body_forward", "causal_lm_forward"):
-                    self.full(n.model, tdev)
-                elif n.op == "drafter_forward":
-                    self.drafter(n.model, tdev)
-                else:
-                    for comp in op.components:
-                        self.component(n.model, comp, tdev)
+                for role in registry.get(n.op).module_roles():     # declared by the op (Traits.modules)
+                    self.module(n, role, self.torch_device[dev])
         self.drop_unused_heads()

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..ir.graph import Node, Ref
 from . import costs
-from .contract import BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, Selection, Traits
+from .contract import (BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, PortsExample, Selection,
+                       Traits)
 
 IMPL = "dflash_graph.ops.torch_impl"
 
@@ -76,7 +77,7 @@ declare(OpDef(
     model_arch=("qwen3_5",),
     components=("embed", "layers", "norm", "lm_head"),
     bind=_lm_bind,
-    traits=Traits(decompose=_decompose_causal_lm),
+    traits=Traits(decompose=_decompose_causal_lm, modules=("body",)),
     cost=costs.causal_lm_forward,
     impl=f"{IMPL}:causal_lm_forward",
 ))
@@ -90,6 +91,7 @@ declare(OpDef(
     model_arch=("qwen3_5",),
     components=("embed", "layers", "norm"),   # Qwen3_5TextModel applies its final norm: its weight is resident
     bind=_lm_bind,
+    traits=Traits(modules=("body",)),
     cost=costs.body_forward,
     impl=f"{IMPL}:body_forward",
 ))
@@ -103,6 +105,7 @@ declare(OpDef(
     inputs=(Port("taps", "seq", "handle"),),
     outputs=_hook_outputs,
     params=(Param("layers", "layer_ids", "Decoder layers to capture.", required=True),),
+    example=PortsExample((("layers", (1, 3)),), "one `layer<i>` per layer in `layers`"),
     model_arch=("qwen3_5",),
     bind=lambda c: {"hidden": c.model_ref("hidden_size")},
     traits=Traits(drop_outputs=_drop_layers),
@@ -131,7 +134,8 @@ declare(OpDef(
     impl=f"{IMPL}:concat",
 ))
 
-declare(OpDef(
+# the rewrites make these two (rewrite/rules.py): they name them by these declarations, not by a string
+TRANSFER = declare(OpDef(
     name="transfer",
     doc="Copy a tensor to the node's device (`.to(device)` in one process, send/recv across processes). "
         "From a group to one device, the receiver gets one batch per replica.",
@@ -139,7 +143,7 @@ declare(OpDef(
     outputs=(Port("out", "*shape", "like:x"),),
     params=(Param("queue", "int", "Incoming batches buffered on the receiving device (1 to 64).", default=1,
                   low=1, high=64),),
-    device_rule="transfer",
+    device_rule="any_input",
     traits=Traits(positionwise="shape", movement=True),
     cost=costs.transfer,
     impl=f"{IMPL}:transfer",
@@ -225,7 +229,7 @@ def _index_shift_ref(t, p, index):
     return {"out": t.tensor(index.kinds, at, int)}
 
 
-declare(OpDef(
+INDEX_SHIFT = declare(OpDef(
     name="index_shift",
     doc="Index arithmetic: (index + shift) mod modulo, elementwise.",
     inputs=(Port("index", "*i", "int64"),),
@@ -288,6 +292,7 @@ declare(OpDef(
     model_arch=("dflash",),
     components=("embed", "fc", "hidden_norm", "layers"),
     bind=_drafter_bind,
+    traits=Traits(modules=("trainable",)),
     cost=costs.drafter_forward,
     impl=f"{IMPL}:drafter_forward",
 ))

@@ -94,6 +94,14 @@ class FusesHeads:
 
 
 @attrs.frozen
+class PortsExample:
+    """Params that docs/ops.md shows an op's ports with, for an op whose ports depend on its params, and what it
+    adds to the outputs line."""
+    params: tuple[tuple[str, Any], ...]
+    note: str
+
+
+@attrs.frozen
 class Traits:
     # The op treats each position of every axis in the variadic group `positionwise` independently: for every
     # input and output that carries the group, axis k of the group corresponds one-to-one, and
@@ -114,6 +122,11 @@ class Traits:
     # checked against it; when absent, they are the proofs' axioms.
     reference: Callable | None = None
     linear_head: LinearHead | None = None   # a linear projection by a model weight (lm_head)
+    # the torch modules its implementation asks for at run time (`ExecContext.module(role)`), which the model store
+    # builds before the first step and the live tracker charges to the node's device (exec/models.py): "body" (the
+    # model built whole; its body is charged, an lm_head where an lm_head node uses it), "trainable" (the model's
+    # trainable module, with the weights it borrows), or a component name. None: one per component of the op.
+    modules: tuple[str, ...] | None = None
     fuses_heads: FusesHeads | None = None   # a loss over two heads' logits that a fused op can compute from their inputs
 
 
@@ -129,10 +142,16 @@ class OpDef:
     components: tuple[str, ...] = ()         # model components whose weights the node uses (resident on its device)
     bind: Callable[["BindContext"], Mapping[str, tuple[sympy.Expr, int]]] | None = None
     shape_fn: Callable[["BindContext", Mapping[str, Any]], Mapping[str, tuple[Dim, ...]]] | None = None
-    device_rule: str = "node"                # "node": inputs and outputs on the node's device; "transfer"
+    device_rule: str = "node"                # "node": inputs and outputs on the node's device; "any_input":
+                                             # its input on any device, its outputs on the node's
     variadic_input: str | None = None        # list inputs become ports <name>0, <name>1, ...
     cost: Callable[["CostContext"], "NodeCost"] | None = None
     impl: str | None = None                  # "module:function" of the torch implementation
+    example: PortsExample | None = None      # params the generated docs show its ports with (ports from params)
+
+    def module_roles(self) -> tuple[str, ...]:
+        """The modules a node of this op uses at run time (Traits.modules; by default its components)."""
+        return self.components if self.traits.modules is None else self.traits.modules
 
     def input_ports(self, params: Mapping[str, Any], n_inputs: int = 0) -> tuple[Port, ...]:
         return self.inputs(params, n_inputs) if callable(self.inputs) else self.inputs

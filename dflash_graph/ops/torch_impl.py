@@ -106,7 +106,7 @@ def lm_head(c, x):
 
 
 def drafter_forward(c, context, input_ids, position_ids, anchors):
-    return {"hidden": c.module("drafter")(context, input_ids, position_ids, anchors)}
+    return {"hidden": c.module("trainable")(context, input_ids, position_ids, anchors)}
 
 
 def output(c, x):

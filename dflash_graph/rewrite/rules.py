@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Ref
 from ..ops import registry
+from ..ops.catalog import INDEX_SHIFT, TRANSFER
 from ..ops.contract import tokens
 from ..analysis.infer import Typed
 from .engine import Replacement, Rule
@@ -96,7 +97,7 @@ def remap_index(shift, n):
     roll: out[i] = x[(i - shift) mod n]  =>  gather(roll(x), idx) = gather(x, (idx - shift) mod n).
     Exact only for 0 <= idx < n (gather clamps; rewrite/proofs.py finds the condition), so the index node checks
     that range at run time (`check_range`). Also evaluated on solver terms by rewrite/proofs.py."""
-    return "index_shift", {"shift": -shift % n, "modulo": n, "check_range": True}
+    return INDEX_SHIFT.name, {"shift": -shift % n, "modulo": n, "check_range": True}
 
 
 def _gather_through_remap(typed: Typed, node: Node) -> Replacement | None:
@@ -219,7 +220,7 @@ def _index_on(typed: Typed, ref: Ref, device: str, add: list[Node], at: Node) ->
                                note=f"gather_through_positionwise: {prod.id} recomputed on {device} for {at.id}"))
         return Ref(nid, ref.output)
     nid = _fresh(typed, add, f"{ref.node}_{ref.output}_to_{device}")
-    add.append(Node(nid, "transfer", (("x", ref),), {}, device, note=f"gather_through_positionwise: index for {at.id}"))
+    add.append(Node(nid, TRANSFER.name, (("x", ref),), {}, device, note=f"gather_through_positionwise: index for {at.id}"))
     return Ref(nid, "out")
 
 
