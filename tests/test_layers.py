@@ -214,3 +214,12 @@ def test_op_name_uses_finds_each_way_of_asking_and_nothing_else():
         if op.device_rule == "any_input": pass
     """)
     assert op_name_uses(others, names) == []
+
+
+def test_every_op_with_a_model_declares_modules_the_store_builds():
+    # exec/models.py ModelStore.module: "body", "trainable", or a component of the node's model
+    for name, op in registry.all_ops().items():
+        roles = op.module_roles()
+        if op.model_arch and op.components:
+            assert roles, name
+        assert all(r in ("body", "trainable") or r in op.components for r in roles), (name, roles)
