@@ -37,8 +37,8 @@ class Problem:
     hint: str | None = None
     context: str | None = None  # e.g. the current dim bindings
 
-    def render(self) -> str:
-        head = f"{self.loc.render()}: error"
+    def render(self, level: str = "error") -> str:
+        head = f"{self.loc.render()}: {level}"
         if self.loc.path:
             head += f" at {self.loc.path}"
         if self.node:

@@ -185,6 +185,7 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             problems.append(Problem(f"unknown arch '{m.arch}'{did_you_mean(m.arch, list(ARCHS))}",
                                     spec.loc("models", name, "arch"), hint="archs: " + ", ".join(ARCHS)))
             continue
+        problems += _unread_model_keys(spec, m)
         known = ARCHS[m.arch].config_keys
         for k in m.config:   # an inline config is checked key by key; a config.json only for keys --set added
             if m.config_file is None or (spec.lines.flag_of(("models", name, "config", k)) and k not in known):
@@ -291,6 +292,27 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
         raise GraphError(Problem(f"the graph has a cycle: {' -> '.join(e.cycle)}", ctx.loc(by_id[e.cycle[0]], "inputs"),
                                  node=e.cycle[0], hint=f"nodes on the cycle: {where}; a dataflow graph must be acyclic")) from None
     return graph, ctx
+
+
+def _unread_model_keys(spec: GraphSpec, m: ModelSpec) -> list[Problem]:
+    """A model key that `run` would not act on for this arch is refused, never ignored: `weights` where the arch
+    loads none (a dflash drafter starts from random initialisation), `trainable = true` where the trainer cannot
+    train the arch (check would count gradients and AdamW state that run never makes)."""
+    arch = ARCHS[m.arch]
+    problems = []
+    if m.weights is not None and not arch.loads_weights:
+        problems.append(Problem(f"model '{m.name}' (arch '{m.arch}') cannot load weights yet: `run` would ignore "
+                                f"{short(m.weights)} and train from random initialisation",
+                                spec.loc("models", m.name, "weights"),
+                                hint="remove `weights` to train from scratch, or continue a run of this graph with "
+                                     "`dflash-graph run GRAPH --resume RUN_DIR`"))
+    if m.trainable and not arch.trains:
+        trainable = [a for a, x in ARCHS.items() if x.trains]
+        problems.append(Problem(f"model '{m.name}' (arch '{m.arch}') is declared trainable, but `run` trains only "
+                                f"models of arch {', '.join(repr(a) for a in trainable)}: check would count gradients "
+                                "and AdamW state that run never makes", spec.loc("models", m.name, "trainable"),
+                                hint="set trainable = false (the target stays frozen; the drafter trains)"))
+    return problems
 
 
 def _check_model_links(spec: GraphSpec, models: Mapping[str, ModelInfo]) -> list[Problem]:

@@ -81,13 +81,36 @@ def _extras(args, plan: Plan) -> dict[str, tuple[object, str]]:
     return out
 
 
+def _missing_paths(args, plan: Plan) -> list:
+    """The files the graph names that do not exist: an error (exit 2) unless --memory-only, which predicts memory
+    without them and reports them as warnings."""
+    from ..spec.paths import missing_paths
+
+    missing = missing_paths(plan.typed.ctx.spec)
+    if missing and not getattr(args, "memory_only", False):
+        import attrs
+
+        from ..errors import GraphError
+
+        raise GraphError([attrs.evolve(m.problem, hint=f"{m.problem.hint}; `check --memory-only` predicts memory "
+                                                       "without it") for m in missing])
+    return missing
+
+
+def missing_json(missing) -> list[dict]:
+    return [{"key": m.key, "path": m.path, "needed_by": m.needed_by, "file": m.problem.loc.file,
+             "line": m.problem.loc.line, "message": m.problem.message} for m in missing]
+
+
 def cmd_check(args) -> int:
     t0 = time.perf_counter()
     plan = plan_from_args(args)
+    missing = _missing_paths(args, plan)
     code = 0 if plan.memory.fits else 1
     extras = _extras(args, plan)
     if args.json:
         out = plan_json(plan)
+        out["missing_paths"] = missing_json(missing)
         out.update({k: v for k, (v, _) in extras.items()})
         out["check_seconds"] = round(time.perf_counter() - t0, 3)
         json.dump(out, sys.stdout, indent=2)
@@ -120,8 +143,13 @@ def cmd_check(args) -> int:
     print()
     print(render_launch(typed))
     print()
+    for m in missing:
+        print(m.problem.render("warning"))
+    if missing:
+        print()
     if plan.memory.fits:
-        print("verdict: fits on every device")
+        print("verdict: fits on every device" + (f"; `run` needs the {len(missing)} missing file(s) above"
+                                                 if missing else ""))
     else:
         print(render_ooms(plan))
         where = [o.device for o in plan.memory.ooms]

@@ -41,6 +41,9 @@ def cmd_eval(args) -> int:
     ckpt = Path(args.checkpoint)
     plan = _plan(args.graph, args.overrides, ckpt)
     spec = plan.typed.ctx.spec
+    from ..spec.paths import require_paths
+
+    require_paths(spec, "run")          # eval reads what run reads: the target's weights, corpus, tokenizer
     tr = Trained(plan, ckpt, args.device)
     seq = int(tr.target.config.max_position_embeddings or 1 << 20)    # prompts come from whole documents
     _, held = load_data(spec.data, Path(spec.data.get("_base", ".")), seq, int(spec.train["seed"]),

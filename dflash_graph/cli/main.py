@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
     c = sub.add_parser("check", help="infer shapes and per-device memory; report OOMs before they happen",
                        description="Infer every shape and every device's memory over the schedule, without weights or "
-                                   "GPUs. Exit 0: fits on every device; 1: predicted OOM; 2: invalid graph or usage.")
+                                   "GPUs, and that every file the graph names exists. Exit 0: fits on every device; 1: predicted "
+                                   "OOM; 2: invalid graph or usage, or a missing file (a warning under --memory-only).")
     _common(c)
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.add_argument("--no-rewrite", action="store_true", help="check the graph exactly as written")
@@ -48,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
                    help="predict for remapped torch devices, as run would use them, e.g. 'cuda:*=cpu' (repeatable)")
     c.add_argument("--host-memory", metavar="SIZE", help="the memory of the host the CPU devices share, e.g. 512GiB "
                                                          "(default: [memory] host_memory, else MemAvailable here)")
+    c.add_argument("--memory-only", action="store_true",
+                   help="predict memory only: a file the graph names that does not exist (weights, corpus, "
+                        "tokenizer, chat template: what run reads) is a warning, not an error")
     c.add_argument("--max", metavar="DIM", help="the largest value of a dim for which every device fits, e.g. "
                                                 "--max dims.seq (the live bytes solved, the allocator replayed)")
     c.add_argument("--memory-snapshot", metavar="FILE.pickle",

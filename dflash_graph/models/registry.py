@@ -10,8 +10,14 @@ from typing import Any
 
 
 class Arch:
-    def __init__(self, name: str, module: str, dims_class: str, components: tuple[str, ...], doc: str):
+    """`loads_weights`: `run` loads `models.<name>.weights` for a model of this arch (else the key is refused:
+    it would be ignored). `trains`: `run` can train a model of this arch (else `trainable = true` is refused:
+    check would count gradients and AdamW state that run never makes)."""
+
+    def __init__(self, name: str, module: str, dims_class: str, components: tuple[str, ...], doc: str,
+                 loads_weights: bool = False, trains: bool = False):
         self.name, self._module, self._dims_class, self.components, self.doc = name, module, dims_class, components, doc
+        self.loads_weights, self.trains = loads_weights, trains
 
     @cached_property
     def module(self):
@@ -51,7 +57,7 @@ HF_RUNTIME_KEYS = frozenset({
 
 ARCHS: dict[str, Arch] = {
     "qwen3_5": Arch("qwen3_5", "dflash_graph.models.qwen3_5", "Qwen35Dims", ("embed", "layers", "norm", "lm_head"),
-                    "Qwen3.5 / 3.6 text model (transformers Qwen3_5ForCausalLM)."),
+                    "Qwen3.5 / 3.6 text model (transformers Qwen3_5ForCausalLM).", loads_weights=True),
     "dflash": Arch("dflash", "dflash_graph.models.dflash", "DFlashDims", ("fc", "hidden_norm", "layers"),
-                   "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`."),
+                   "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`.", trains=True),
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path as FsPath
 from types import MappingProxyType
 from typing import Any
 
@@ -95,6 +96,11 @@ class GraphSpec:
         """The torchrun rank that owns a device: its declared `rank`, else its index in [devices]."""
         d = self.devices[device]
         return d.rank if d.rank is not None else list(self.devices).index(device)
+
+    @property
+    def base_dir(self) -> FsPath:
+        """The graph file's directory: the paths a graph names are relative to it."""
+        return FsPath(self.data.get("_base", "."))
 
     @property
     def world_size(self) -> int:

@@ -173,6 +173,9 @@ class _Builder:
         nodes = self.build_nodes(raw.get("nodes", []))
         train = self.check_keys(raw.get("train", {}), schema.TRAIN, ("train",))
         data = self.check_keys(raw["data"], schema.DATA, ("data",)) if "data" in raw else {}
+        if data.get("chat_template") is not None and data.get("tokenizer") is None:
+            self.err(("data", "chat_template"), "chat_template is read with the tokenizer, and [data] names none: "
+                     "it would be ignored", hint='add tokenizer = "..." (the target\'s tokenizer.json or directory)')
         self.fail_if_any()
         del top
         import copy

@@ -19,6 +19,9 @@ class Key:
     high: float | None = None
     open_low: bool = False       # low itself is not allowed (lr > 0)
     open_high: bool = False
+    # a path (relative to the graph file) that the named command reads: check reports one that does not exist
+    # (spec/paths.py), run refuses it before any work, `plan --emit` rewrites it relative to the file it writes
+    path: str | None = None
 
     def bounds_text(self) -> str:
         lo = "" if self.low is None else f"{_num(self.low)} {'<' if self.open_low else '<='} "
@@ -97,9 +100,11 @@ MODEL = Section("models.<name>", "A model whose weights nodes use.", (
         required=True),
     Key("dtype", "str", "Parameter and activation dtype.", default="bfloat16",
         choices=("float32", "bfloat16", "float16", "float64")),
-    Key("trainable", "bool", "Train this model (gradients and AdamW state are counted) or keep it frozen.", default=False),
-    Key("weights", "str", "Local path to weights (a directory for from_pretrained or a .safetensors file). "
-        "Absent: random initialisation."),
+    Key("trainable", "bool", "Train this model (gradients and AdamW state are counted) or keep it frozen. Only a "
+        "dflash drafter trains; `trainable = true` on a qwen3_5 model is refused.", default=False),
+    Key("weights", "str", "qwen3_5: local path to weights (a directory for from_pretrained or a .safetensors file), "
+        "relative to this file. Absent: random initialisation. A dflash drafter cannot load weights yet: the key is "
+        "refused there (it starts from random initialisation; `run --resume` continues a run).", path="run"),
     Key("shares", "table", "Components taken from another model: `{ embed = \"target.embed\", norm = "
         "\"target.norm\", lm_head = \"target.lm_head\" }`. Shared tensors are frozen and counted once per device."),
     Key("attn_implementation", "str", "qwen3_5: transformers' attention implementation for this model's forward "
@@ -152,10 +157,11 @@ TRAIN = Section("train", "Training settings for `dflash-graph run`.", (
 
 DATA = Section("data", "Training data for `dflash-graph run` (formats and errors: docs/drafter.md, \"Data\").", (
     Key("corpus", "str", "The corpus (relative to this file): a JSONL file (text or chat records, or pre-tokenized "
-        "`input_ids`), a Parquet file, or a Hugging Face `datasets` directory or data files.", required=True),
+        "`input_ids`), a Parquet file, or a Hugging Face `datasets` directory or data files.", required=True,
+        path="run"),
     Key("tokenizer", "str", "The target's tokenizer (relative to this file): a tokenizer.json, or a directory (with "
         "a tokenizer_config.json, read by transformers' AutoTokenizer with its chat template). Needed for text and "
-        "chat data; for pre-tokenized data it supplies the padding id."),
+        "chat data; for pre-tokenized data it supplies the padding id.", path="run"),
     Key("format", "str", "How to read the corpus: auto (from the path and the first record), text, chat "
         "(`messages`, rendered with the tokenizer's chat template; loss on assistant tokens only), tokens "
         "(`input_ids`, optional `loss_mask`), hf (a Hugging Face datasets directory or data files).",
@@ -163,7 +169,8 @@ DATA = Section("data", "Training data for `dflash-graph run` (formats and errors
     Key("text_key", "str", "Field of each record that holds the text.", default="text"),
     Key("messages_key", "str", "Field of each chat record that holds the messages.", default="messages"),
     Key("chat_template", "str", "A Jinja chat template file (relative to this file) to use instead of the "
-        "tokenizer's own (default: the tokenizer's, else a chat_template.jinja beside tokenizer.json)."),
+        "tokenizer's own (default: the tokenizer's, else a chat_template.jinja beside tokenizer.json). Needs "
+        "`tokenizer`.", path="run"),
     Key("split", "str", "Split of a Hugging Face DatasetDict to read.", default="train"),
     Key("holdout", "int", "The last N documents of the corpus are the held-out split: never trained on, evaluated "
         "every train.eval_every steps.", default=0),
@@ -257,3 +264,37 @@ def json_schema() -> dict:
             "description": "A DFlash drafter training graph (TOML). Generated from dflash_graph/spec/schema.py by "
                            "tools/gen_docs.py; see docs/editors.md.",
             **{k: v for k, v in top.items() if k != "description"}}
+
+
+# -- walking a document by its sections ---------------------------------------------------------------------------
+
+_BY_NAME = {s.name: s for s in SECTIONS}
+
+
+def declared_tables(doc: dict):
+    """(section, TOML path, table) for every table of a document that a declared section describes, in document
+    order: [graph], each [devices.<name>], [models.<name>], [[nodes]], ... Free-form tables (dims, groups, a
+    model's config) are not walked."""
+    yield TOP, (), doc
+    for key in TOP.keys:
+        v = doc.get(key.name)
+        sec = _BY_NAME.get(key.name)
+        if isinstance(v, dict) and sec is not None and not sec.open:
+            yield sec, (key.name,), v
+        elif isinstance(v, dict) and f"{key.name}.<name>" in _BY_NAME:
+            sec = _BY_NAME[f"{key.name}.<name>"]
+            for name, t in v.items():
+                if isinstance(t, dict):
+                    yield sec, (key.name, name), t
+        elif isinstance(v, list) and f"{key.name}[]" in _BY_NAME:
+            for i, t in enumerate(v):
+                if isinstance(t, dict):
+                    yield _BY_NAME[f"{key.name}[]"], (key.name, i), t
+
+
+def path_keys(doc: dict):
+    """(TOML path, key, value) for every key declared as a path (`Key.path`) that the document sets."""
+    for sec, where, table in declared_tables(doc):
+        for k in sec.keys:
+            if k.path and isinstance(table.get(k.name), str):
+                yield (*where, k.name), k, table[k.name]

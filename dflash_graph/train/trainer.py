@@ -53,6 +53,7 @@ from ..exec.models import ModelStore
 from ..ops import registry
 from ..rewrite.pipeline import Plan
 from . import checkpoint
+from ..spec.paths import require_paths
 from .data import PackedData, load_data
 from .metrics import acceptance, json_line
 from .rundir import write_json
@@ -213,6 +214,7 @@ class Trainer:
         self.plan, self.opts = plan, opts
         typed = plan.typed
         spec = typed.ctx.spec
+        require_paths(spec, "run")      # every file the graph names, each with its line, before any work
         self.cfg = dict(spec.train)
         self.steps = opts.steps if opts.steps is not None else int(self.cfg["steps"])
         self.accum = int(self.cfg["grad_accum"])
