@@ -93,8 +93,7 @@ def test_paths_are_relative_to_the_output(in_repo, tmp_path):
     assert doc["models"]["target"]["config"] == rel("graphs/tiny/config.json")
     assert doc["models"]["target"]["weights"] == rel("graphs/tiny/model.safetensors")
     assert doc["data"] == {"corpus": rel("graphs/tiny/corpus.jsonl"), "tokenizer": rel("graphs/tiny/tokenizer.json"),
-                           "text_key": "text", "format": "auto", "messages_key": "messages", "split": "train",
-                           "holdout": 50}
+                           "holdout": 50}       # the keys the graph wrote (the defaults stay defaults)
     out.write_text(text)
     spec = load_graph(out)
     assert Path(spec.data["_base"]) / spec.data["corpus"] == out.parent / rel("graphs/tiny/corpus.jsonl")
@@ -160,3 +159,66 @@ def test_toml_value_nan_and_unsupported():
     assert math.isnan(tomllib.loads(f"k = {toml_value(float('nan'))}")["k"])
     with pytest.raises(TypeError, match="cannot write"):
         toml_value(object())
+
+
+# -- every key survives: emit then load gives the same document and the same check (issue 21, point 8) ----------
+
+ROOT = Path(__file__).resolve().parent.parent
+GRAPHS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("graphs/*.toml"), *ROOT.glob("tests/graphs/*.toml")])
+
+
+def declared_values(spec) -> dict:
+    """Every declared key the document sets, by TOML path, nodes aside (a rewrite changes them); a path as the
+    file it names; a model config as the keys it holds (a file or inline)."""
+    from dflash_graph.spec import schema
+
+    out = {}
+    for sec, where, table in schema.declared_tables(dict(spec.resolved)):
+        if where[:1] == ("nodes",) or sec is schema.TOP:
+            continue
+        for k in sec.keys:
+            if k.name not in table:
+                continue
+            v = table[k.name]
+            if k.path:
+                v = str((spec.base_dir / v).resolve())
+            out[(*where, k.name)] = v
+    out[("graph", "name")] = spec.name     # written even where the file has none (then named after its file)
+    out["dims"] = dict(spec.resolved.get("dims", {}))
+    out["groups"] = dict(spec.resolved.get("groups", {}))
+    return out
+
+
+def check_result(plan) -> dict:
+    from dflash_graph.cli.check import plan_json
+
+    doc = plan_json(plan)
+    for k in ("file", "rewritten", "rewrites", "before"):
+        doc.pop(k, None)
+    for n in doc["nodes"]:
+        n.pop("note")          # a rewrite's note is written as a comment above the node
+    return doc
+
+
+def test_every_declared_key_is_in_the_every_key_graph(in_repo):
+    """tests/graphs/every_key.toml writes every key the schema declares, so the round trip below covers them all:
+    a key added to the schema must be added there (and then `plan --emit` is tested to keep it)."""
+    from dflash_graph.spec import schema
+
+    spec = load_graph("tests/graphs/every_key.toml")
+    written = {(sec.name, k) for sec, _, table in schema.declared_tables(dict(spec.resolved)) for k in table}
+    declared = {(sec.name, k.name) for sec in schema.SECTIONS if not sec.open for k in sec.keys}
+    assert declared - written == set()
+
+
+@pytest.mark.parametrize("rewrite", [True, False], ids=["rewritten", "as-written"])
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_emit_keeps_every_key_and_the_check(graph, rewrite, in_repo, tmp_path):
+    plan = compile_graph(graph, rewrite=rewrite)
+    out = tmp_path / "elsewhere" / "emitted.toml"
+    out.parent.mkdir()
+    out.write_text(emit_toml(plan, out))
+    back = compile_graph(str(out), rewrite=False)
+    assert declared_values(back.typed.ctx.spec) == declared_values(plan.typed.ctx.spec)
+    same_graph(plan.typed, back.typed)
+    assert check_result(back) == check_result(plan)      # busy time, host, forward assumptions, every peak

@@ -3,11 +3,12 @@
 The file loads with `spec.loader` and checks to the same per-device peaks as the plan it came from (the round
 trip is tested in tests/test_plan_emit.py and, on random graphs, in tests/test_rewrite_properties.py):
 
-- [graph], [dims] (the expressions as written, after --set), [memory], [devices.*], [groups], [models.*],
-  [train], [data]; sizes are written in bytes so nothing is lost to rounding;
+- every section but the nodes as the graph wrote it (--set applied), key by key, walked by the declared
+  sections of spec/schema.py, so no key is dropped ([dims] keeps its expressions, a device its throughput);
 - every node as [[nodes]], in schedule order, with its own params (never the evaluated `Typed.params`), inputs
   as a table, device and model; a node made or changed by a rewrite gets a comment naming the rule;
-- paths (model config files, weights, data) are rewritten relative to the output file's directory.
+- paths (model config files and every key declared as a path: weights, data files) are rewritten relative to
+  the output file's directory.
 
 TOML is written by hand (no writer dependency): strings are basic strings with every escape TOML requires.
 """
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..units import fmt_bytes
+from ..spec import schema
 from .pipeline import Plan
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -124,87 +125,38 @@ def _rewrite_comment(n, original, applied) -> str | None:
 # -- sections ---------------------------------------------------------------------------------------------------
 
 def emit_toml(plan: Plan, out_path: str | os.PathLike | None = None) -> str:
-    """The plan's graph as TOML text. Paths are written relative to `out_path`'s directory (absolute if None)."""
+    """The plan's graph as TOML text. Paths are written relative to `out_path`'s directory (absolute if None).
+
+    Every section but the nodes is written from the document as loaded (`GraphSpec.resolved`: what the file says,
+    --set applied), walked by the declared sections (spec/schema.py), so every key the graph wrote is written
+    again: a key the schema gains is never dropped. Keys declared as paths are rebased."""
     typed = plan.typed
     spec = typed.ctx.spec
-    graph_dir = Path(spec.file).parent if spec.file else Path(".")
     out_dir = Path(out_path).parent if out_path is not None else None
+    doc = spec.resolved
     w: list[str] = []
 
     w.append(f"# Written by `dflash-graph plan --emit` from {spec.file or '(text)'}"
              + (f": {len(plan.applied)} rewrites applied." if plan.rewritten else " (--no-rewrite)."))
     w.append("# Nodes made or changed by a rewrite carry a comment naming the rule; see docs/rules/.")
     w.append("")
-    w.append("[graph]")
-    w.append(f"name = {toml_str(spec.name)}")
-    if spec.description:
-        w.append(f"description = {toml_str(spec.description)}")
-    w.append("")
-
-    w.append("[dims]")
-    for k, v in spec.dims.items():
-        w.append(f"{toml_key(k)} = {toml_value(v)}")
-    w.append("")
-
-    w.append("[memory]")
-    w.append(f"expandable_segments = {toml_value(spec.memory.expandable_segments)}")
-    if spec.memory.max_split_size is not None:
-        w.append(f"max_split_size = {spec.memory.max_split_size}        {_comment(fmt_bytes(spec.memory.max_split_size))}")
-    w.append("")
-
-    for name, d in spec.devices.items():
-        w.append(f"[devices.{toml_key(name)}]")
-        w.append(f"torch = {toml_str(d.torch)}")
-        w.append(f"capacity = {d.capacity}        {_comment(fmt_bytes(d.capacity))}")
-        if d.outside_allocator:
-            w.append(f"outside_allocator = {d.outside_allocator}        {_comment(fmt_bytes(d.outside_allocator))}")
-        w.append("")
-
-    if spec.groups:
-        w.append("[groups]")
-        for g, members in spec.groups.items():
-            w.append(f"{toml_key(g)} = {toml_value(list(members))}")
-        w.append("")
-
-    for name, m in spec.models.items():
-        w.append(f"[models.{toml_key(name)}]")
-        w.append(f"arch = {toml_str(m.arch)}")
-        w.append(f"dtype = {toml_str(m.dtype)}")
-        w.append(f"trainable = {toml_value(m.trainable)}")
-        if m.weights is not None:
-            w.append(f"weights = {toml_str(_rebase(m.weights, graph_dir, out_dir))}")
-        if m.shares:
-            w.append(f"shares = {toml_value(dict(m.shares))}")
-        for key, value in m.forward.items():   # the declared forward (attn_implementation, packing, linear_kernels)
-            w.append(f"{key} = {toml_str(value)}")
-        if m.config_file and _config_from_file(m.config_file, m.config):
-            w.append(f"config = {toml_str(_rebase(m.config_file, None, out_dir))}")
-        else:
-            # inline: written as the last key of the table, as its own sub-table, one key per line
-            w.append("")
-            w.append(f"[models.{toml_key(name)}.config]")
-            for k, v in m.config.items():
-                w.append(f"{toml_key(k)} = {toml_value(v)}")
-        w.append("")
-
-    if spec.train:
-        w.append("[train]")
-        for k, v in spec.train.items():
-            if v is not None:
-                w.append(f"{toml_key(k)} = {toml_value(v)}")
-        w.append("")
-
-    data = {k: v for k, v in spec.data.items() if not k.startswith("_")}
-    if data:
-        base = spec.data.get("_base", str(graph_dir))
-        w.append("[data]")
-        for k, v in data.items():
-            if v is None:
-                continue
-            if k in ("corpus", "tokenizer", "chat_template"):
-                v = _rebase(v, base, out_dir)
-            w.append(f"{toml_key(k)} = {toml_value(v)}")
-        w.append("")
+    # the name is written even where the file has none (a graph without one is named after its file)
+    _table(w, "graph", schema.GRAPH, {**doc.get("graph", {}), "name": spec.name}, spec.base_dir, out_dir)
+    for key in schema.TOP.keys:
+        name, v = key.name, doc.get(key.name)
+        if name in ("graph", "nodes") or not isinstance(v, Mapping):
+            continue
+        sec = _SECTIONS.get(name)
+        if sec is not None:                       # [memory], [launch], [train], [data]
+            _table(w, name, sec, v, spec.base_dir, out_dir)
+        elif f"{name}.<name>" in _SECTIONS:       # [devices.<name>], [models.<name>]
+            for item, t in v.items():
+                header = f"{name}.{toml_key(item)}"
+                if name == "models":
+                    t = _model_table(spec, item, t, out_dir)
+                _table(w, header, _SECTIONS[f"{name}.<name>"], t, spec.base_dir, out_dir)
+        else:                                     # free-form: [dims] (expressions as written), [groups]
+            _table(w, name, None, v, spec.base_dir, out_dir)
 
     original = plan.original.graph
     for n in typed.graph.nodes:
@@ -224,3 +176,36 @@ def emit_toml(plan: Plan, out_path: str | os.PathLike | None = None) -> str:
             w.append(f"params = {toml_value(params)}")
         w.append("")
     return "\n".join(w).rstrip("\n") + "\n"
+
+
+_SECTIONS = {s.name: s for s in schema.SECTIONS}
+
+
+def _model_table(spec, name: str, table: Mapping[str, Any], out_dir: Path | None) -> dict:
+    """A model's table, its config as the file it came from when the file still says what was checked (no --set
+    changed it), else inline."""
+    m = spec.models.get(name)
+    t = dict(table)
+    if m is not None and m.config_file and _config_from_file(m.config_file, m.config):
+        t["config"] = _rebase(m.config_file, None, out_dir)
+    return t
+
+
+def _table(w: list[str], header: str, sec, table: Mapping[str, Any], base: Path, out_dir: Path | None) -> None:
+    """One table: its scalar and inline keys as written (a key declared as a path rebased), then each of its
+    sub-tables (a model's inline config) as `[header.key]`."""
+    w.append(f"[{header}]")
+    subs = []
+    for k, v in table.items():
+        if v is None:
+            continue
+        key = sec.key(k) if sec is not None else None
+        if key is not None and key.path and isinstance(v, str):
+            v = _rebase(v, base, out_dir)
+        if isinstance(v, Mapping) and (key is None or key.kind != "table"):
+            subs.append((k, v))
+            continue
+        w.append(f"{toml_key(str(k))} = {toml_value(v)}")
+    w.append("")
+    for k, v in subs:
+        _table(w, f"{header}.{toml_key(str(k))}", None, v, base, out_dir)
