@@ -81,3 +81,52 @@ def test_arch_declarations_match_what_run_does():
     .full), only dflash trains (ModelStore.trainable_parameters holds the drafters)."""
     assert {a for a, x in ARCHS.items() if x.loads_weights} == {"qwen3_5"}
     assert {a for a, x in ARCHS.items() if x.trains} == {"dflash"}
+
+
+# -- target_layer_ids against the hooked layers (issue 21, point 6) ------------------------------------------------
+
+def _tiny_text(in_repo) -> str:
+    return (in_repo / "tests/graphs/bad/target_layer_ids_not_hooked.toml").read_text().replace(
+        "target_layer_ids = [1, 2]", "target_layer_ids = [1, 3]")
+
+
+def test_hooked_layers_in_declared_order_pass(in_repo):
+    from dflash_graph.analysis.infer import build, infer
+    from dflash_graph.spec.loader import parse_graph
+
+    base = in_repo / "tests/graphs/bad"
+    infer(*build(parse_graph(_tiny_text(in_repo), "t.toml", base)))
+
+
+def test_concatenated_in_another_order_is_refused(in_repo):
+    """Layers 1 and 3 hooked, but concatenated as [3, 1]: the drafter's fc reads them in that order."""
+    from dflash_graph.analysis.infer import build, infer
+    from dflash_graph.errors import GraphError
+    from dflash_graph.spec.loader import parse_graph
+
+    text = _tiny_text(in_repo).replace('inputs = ["hooks.layer1", "hooks.layer3"]', 'inputs = ["hooks.layer3", "hooks.layer1"]')
+    with pytest.raises(GraphError) as e:
+        infer(*build(parse_graph(text, "t.toml", in_repo / "tests/graphs/bad")))
+    msg = str(e.value)
+    assert "error at models.drafter.config.target_layer_ids (node 'drafter')" in msg
+    assert "expected: target_layer_ids = [3, 1]" in msg and "actual:   target_layer_ids = [1, 3]" in msg
+
+
+@pytest.mark.parametrize("graph", ["graphs/tiny.toml", "graphs/qwen27b.toml", "graphs/gpu_check.toml"])
+def test_export_names_the_layers_the_drafter_reads(graph, in_repo):
+    """What the export tells serving stacks (dflash_config.target_layer_ids) is what the graph hooks and feeds the
+    drafter, as written and after the rewrites."""
+    from dflash_graph.analysis.infer import layer_sources
+    from dflash_graph.ops import registry
+    from dflash_graph.rewrite.pipeline import compile_graph
+    from dflash_graph.train.export import config
+
+    plan = compile_graph(graph)
+    for typed in (plan.original, plan.typed):
+        readers = [n for n in typed.graph.nodes if registry.get(n.op).traits.reads_layers is not None]
+        assert readers
+        src = layer_sources(typed)
+        for n in readers:
+            dims = typed.ctx.models[n.model].dims
+            hooked = [layer for _, layer in src[dict(n.inputs)["context"]]]
+            assert config(dims, 64, "bfloat16", 4096)["dflash_config"]["target_layer_ids"] == hooked

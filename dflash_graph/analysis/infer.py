@@ -438,7 +438,78 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     typed.cache["_handles"] = frozenset(handles)
     if old is not None:
         typed.cache["_reinferred"] = frozenset(reinferred)
+    if prev is None:        # the graph as built; a rewrite keeps what each input holds
+        problems = _check_layer_reads(typed)
+        if problems:
+            raise GraphError(problems)
     return typed
+
+
+# NOTE [Layer provenance]: a drafter's `target_layer_ids` say which target layers its context holds, in order;
+# they go into the export (the serving stack hooks those layers) and size its fc. The graph's hook nodes say
+# which layers are captured, and concat nodes in which order. Both are declared, so they are checked against each
+# other: each output's feature axis is traced to the layers it holds, through the ops' declared `Traits.captures`
+# and `Traits.features` (never an op's name); an input declared `Traits.reads_layers` must hold exactly the layers
+# its model's config lists. An input whose provenance cannot be traced (an op that declares none) is not checked.
+
+def layer_sources(typed: Typed) -> dict[Ref, tuple[tuple[str, int], ...]]:
+    """For each output whose feature axis is known to hold decoder-layer outputs: ((model, layer id), ...) in
+    order along that axis."""
+    out: dict[Ref, tuple[tuple[str, int], ...]] = {}
+    for node in typed.graph.nodes:
+        op = registry.get(node.op)
+        tr = op.traits
+        if tr.captures is not None:
+            for port, layer in tr.captures(typed.params[node.id]).items():
+                out[Ref(node.id, port)] = ((node.model, layer),)
+            continue
+        if tr.features is None or not node.inputs:
+            continue
+        if tr.features == "concat":
+            parts = [out.get(r) for _, r in node.inputs]
+            if all(p is not None for p in parts):
+                src = tuple(x for p in parts for x in p)
+            else:
+                continue
+        else:                                   # "kept": the first input's, if the op selects along another axis
+            port, r = node.inputs[0]
+            src = out.get(r)
+            axis_param = (tr.selection.axis_param if tr.selection else tr.remap.axis_param if tr.remap else None)
+            if src is None or (axis_param is not None and
+                               typed.params[node.id].get(axis_param) in (-1, len(typed.types[r].shape) - 1)):
+                continue
+        for name in typed.outputs_of(node.id):
+            out[Ref(node.id, name)] = src
+    return out
+
+
+def _check_layer_reads(typed: Typed) -> list[Problem]:
+    readers = [(n, registry.get(n.op).traits.reads_layers) for n in typed.graph.nodes]
+    readers = [(n, rl) for n, rl in readers if rl is not None and n.model in typed.ctx.models]
+    if not readers:
+        return []
+    sources = layer_sources(typed)
+    spec = typed.ctx.spec
+    problems = []
+    for node, rl in readers:
+        ref = dict(node.inputs).get(rl.port)
+        src = sources.get(ref) if ref is not None else None
+        declared = getattr(typed.ctx.models[node.model].dims, rl.config_key, None)
+        if src is None or declared is None:
+            continue
+        hooked = [layer for _, layer in src]
+        if tuple(hooked) == tuple(declared):
+            continue
+        models = sorted({m for m, _ in src if m})
+        problems.append(Problem(
+            f"model '{node.model}' declares {rl.config_key} = {list(declared)}, but node '{node.id}' reads on "
+            f"'{rl.port}' the outputs of layers {hooked} of model {', '.join(repr(m) for m in models)} (through "
+            f"{ref}): the drafter would be exported for layers it was not trained on",
+            spec.loc("models", node.model, "config", rl.config_key), node=node.id,
+            expected=f"{rl.config_key} = {hooked} (the hooked layers, in the order they are concatenated)",
+            actual=f"{rl.config_key} = {list(declared)}",
+            hint=f"set {rl.config_key} = {hooked}, or hook and concatenate the layers {list(declared)}"))
+    return problems
 
 
 # NOTE [Inference of a change]: when `graph` is `prev.graph` patched by Graph.replace (NOTE [Incremental

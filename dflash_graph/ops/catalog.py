@@ -10,8 +10,8 @@ from typing import Any
 
 from ..ir.graph import Node, Ref
 from . import costs
-from .contract import (BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, PortsExample, Selection,
-                       Traits)
+from .contract import (BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, PortsExample,
+                       ReadsLayers, Selection, Traits)
 
 IMPL = "dflash_graph.ops.torch_impl"
 
@@ -108,7 +108,8 @@ declare(OpDef(
     example=PortsExample((("layers", (1, 3)),), "one `layer<i>` per layer in `layers`"),
     model_arch=("qwen3_5",),
     bind=lambda c: {"hidden": c.model_ref("hidden_size")},
-    traits=Traits(drop_outputs=_drop_layers),
+    traits=Traits(drop_outputs=_drop_layers,
+                  captures=lambda p: {f"layer{i}": i for i in p.get("layers", ())}),
     cost=costs.hook_capture,
     impl=f"{IMPL}:hook_capture",
 ))
@@ -129,7 +130,7 @@ declare(OpDef(
     inputs=_concat_inputs,
     outputs=_concat_outputs,
     variadic_input="x",
-    traits=Traits(positionwise="batch"),
+    traits=Traits(positionwise="batch", features="concat"),
     cost=costs.no_workspace,
     impl=f"{IMPL}:concat",
 ))
@@ -144,7 +145,7 @@ TRANSFER = declare(OpDef(
     params=(Param("queue", "int", "Incoming batches buffered on the receiving device (1 to 64).", default=1,
                   low=1, high=64),),
     device_rule="any_input",
-    traits=Traits(positionwise="shape", movement=True),
+    traits=Traits(positionwise="shape", movement=True, features="kept"),
     cost=costs.transfer,
     impl=f"{IMPL}:transfer",
 ))
@@ -193,7 +194,7 @@ declare(OpDef(
     outputs=(Port("out", "*out", "like:x"),),
     params=(Param("axis", "int", "Axis of x to select along.", default=0),),
     shape_fn=_gather_shape,
-    traits=Traits(selection=Selection("x", "index", "axis")),
+    traits=Traits(selection=Selection("x", "index", "axis"), features="kept"),   # along another axis than the last
     cost=costs.no_workspace,
     impl=f"{IMPL}:gather",
 ))
@@ -215,7 +216,7 @@ declare(OpDef(
     params=(Param("shift", "int", "Positions to roll by.", required=True),
             Param("axis", "int", "Axis to roll along.", default=0)),
     shape_fn=_axis_ok,
-    traits=Traits(remap=IndexRemap("shift", "axis")),
+    traits=Traits(remap=IndexRemap("shift", "axis"), features="kept"),   # along another axis than the last
     cost=costs.no_workspace,
     impl=f"{IMPL}:roll",
 ))
@@ -292,7 +293,7 @@ declare(OpDef(
     model_arch=("dflash",),
     components=("embed", "fc", "hidden_norm", "layers"),
     bind=_drafter_bind,
-    traits=Traits(modules=("trainable",)),
+    traits=Traits(modules=("trainable",), reads_layers=ReadsLayers("context", "target_layer_ids")),
     cost=costs.drafter_forward,
     impl=f"{IMPL}:drafter_forward",
 ))

@@ -102,6 +102,15 @@ class PortsExample:
 
 
 @attrs.frozen
+class ReadsLayers:
+    """The op reads, on input `port`, the outputs of a target's decoder layers concatenated on the last axis, in
+    the order its model's config key `config_key` lists them (drafter_forward: `target_layer_ids`). Inference
+    traces that input back to the layers hooked (analysis/infer.py, NOTE [Layer provenance])."""
+    port: str
+    config_key: str
+
+
+@attrs.frozen
 class Traits:
     # The op treats each position of every axis in the variadic group `positionwise` independently: for every
     # input and output that carries the group, axis k of the group corresponds one-to-one, and
@@ -127,6 +136,13 @@ class Traits:
     # model built whole; its body is charged, an lm_head where an lm_head node uses it), "trainable" (the model's
     # trainable module, with the weights it borrows), or a component name. None: one per component of the op.
     modules: tuple[str, ...] | None = None
+    # NOTE [Layer provenance]: what the last (feature) axis of the outputs holds, for tracing which decoder layers
+    # reach a `reads_layers` input. `captures`: params -> {output: layer id} (hook_capture: output layer{i} is
+    # layer i of the node's model); `features`: "concat" (the inputs' feature axes, in port order: concat) or
+    # "kept" (the input's, unchanged: a movement, or a selection along another axis). Absent: unknown.
+    captures: Callable[[Mapping[str, Any]], Mapping[str, int]] | None = None
+    features: str | None = None
+    reads_layers: ReadsLayers | None = None
     fuses_heads: FusesHeads | None = None   # a loss over two heads' logits that a fused op can compute from their inputs
 
 
