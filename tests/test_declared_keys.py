@@ -130,3 +130,28 @@ def test_export_names_the_layers_the_drafter_reads(graph, in_repo):
             dims = typed.ctx.models[n.model].dims
             hooked = [layer for _, layer in src[dict(n.inputs)["context"]]]
             assert config(dims, 64, "bfloat16", 4096)["dflash_config"]["target_layer_ids"] == hooked
+
+
+# -- check --json carries the model assumptions the report prints (issue 21, point 11) ----------------------------
+
+@pytest.mark.parametrize("graph,sets", [("graphs/tiny.toml", []),
+                                        ("graphs/qwen27b.toml", []),
+                                        ("graphs/tiny.toml", ["models.target.attn_implementation=eager",
+                                                              "models.target.packing=mask"])])
+def test_json_has_the_assumptions_the_report_prints(graph, sets, in_repo, capsys):
+    args = ["check", graph, *[x for s in sets for x in ("--set", s)]]
+    main(args)
+    text = capsys.readouterr().out
+    main([*args, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    target = doc["models"]["target"]
+    a = target["assumptions"]
+    assert target["arch"] == "qwen3_5"
+    line = next(x for x in text.splitlines() if x.startswith("model target: "))
+    for key in ("attn_implementation", "packing", "linear_kernels"):
+        assert f"{a[key]['means']} ({a[key]['source']})" in line     # the words printed, and their source
+    declared = dict(s.split("=") for s in sets)
+    for key, value in declared.items():
+        name = key.rsplit(".", 1)[1]
+        assert a[name] == {**a[name], "value": value, "source": "declared"}
+    assert doc["models"]["drafter"]["assumptions"] == {}

@@ -7,7 +7,7 @@ import sys
 import time
 
 from ..analysis.memory import MemoryReport
-from ..models.qwen3_5 import forward_lines
+from ..models.registry import ARCHS
 from ..rewrite.pipeline import Plan
 from .launch import launch_json, render_launch
 from .options import plan_from_args
@@ -25,6 +25,26 @@ def nodes_json(typed) -> list[dict]:
                             "device": t.device, "bytes": t.nbytes} for k, t in outs.items()},
         })
     return out
+
+
+def models_json(typed) -> dict:
+    """Each model as check sees it, with what the prediction assumes about how it runs (the lines check prints
+    under the dims: attention implementation, packing, kernels; each value with its source)."""
+    out = {}
+    for name, m in typed.ctx.models.items():
+        out[name] = {"arch": m.spec.arch, "dtype": m.spec.dtype, "trainable": m.spec.trainable,
+                     "weights": m.spec.weights, "shares": dict(m.spec.shares),
+                     "assumptions": ARCHS[m.spec.arch].assumptions(m.dims, m.spec.forward)}
+    return out
+
+
+def assumption_lines(typed) -> list[str]:
+    lines = []
+    for name, m in typed.ctx.models.items():
+        line = ARCHS[m.spec.arch].assumption_line(m.dims, m.spec.forward)
+        if line:
+            lines.append(f"model {name}: {line}")
+    return lines
 
 
 def memory_json(mem: MemoryReport) -> dict:
@@ -53,7 +73,7 @@ def plan_json(plan: Plan) -> dict:
     spec = typed.ctx.spec
     return {
         "graph": spec.name, "file": spec.file, "valid": True, "rewritten": plan.rewritten,
-        "dims": typed.ctx.env.bindings(), "nodes": nodes_json(typed),
+        "dims": typed.ctx.env.bindings(), "models": models_json(typed), "nodes": nodes_json(typed),
         **memory_json(mem),
         "rewrites": [{"pass": a.pass_name, "rule": a.rule, "nodes": list(a.nodes), "trait": a.trait,
                       "saved_bytes": dict(a.saved_bytes), "saved_flops": dict(a.saved_flops)} for a in plan.applied],
@@ -120,7 +140,7 @@ def cmd_check(args) -> int:
     print(f"{spec.file}: graph '{spec.name}': {len(typed.graph)} nodes on {len(spec.devices)} devices"
           + ("" if plan.rewritten else " (as written, --no-rewrite)"))
     print(typed.ctx.env.bindings_text())
-    for line in forward_lines(typed.ctx.models):   # how each model's forward is assumed to run
+    for line in assumption_lines(typed):   # how each model's forward is assumed to run
         print(line)
     print(render_nodes(typed))
     print()

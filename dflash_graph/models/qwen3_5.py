@@ -44,7 +44,7 @@ __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "LINEAR_KERNELS",
     "PACKINGS",
-    "forward_assumption",
+    "forward_assumptions",
     "forward_kwargs",
     "installed_linear_kernels",
     "CONFIG_KEYS",
@@ -420,9 +420,10 @@ def forward_kwargs(d: Qwen35Dims) -> dict[str, Any]:
     }
 
 
-def forward_assumption(d: Qwen35Dims, declared: Mapping[str, Any] | None = None) -> str:
-    """One line saying how the prediction assumes transformers runs this model's forward, which of
-    it the graph declared, and which parts are derived but not yet measured."""
+def forward_assumptions(d: Qwen35Dims, declared: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """How the prediction assumes transformers runs this model's forward, as data (check --json `models`): per
+    key its value, what that means, and where it comes from (declared in the graph, or the default and why); and
+    the parts derived from kernel packages but not yet measured."""
     declared = declared or {}
 
     def src(key: str, default_note: str) -> str:
@@ -443,17 +444,14 @@ def forward_assumption(d: Qwen35Dims, declared: Mapping[str, Any] | None = None)
                           f"{KERNEL_VERSIONS['causal-conv1d']} wrappers")
     if d.attn_implementation == "flash_attention_2":
         unmeasured.append(f"flash-attn {KERNEL_VERSIONS['flash-attn']} wrapper")
-    tail = (f"; derived from the {' and '.join(unmeasured)}, not yet measured" if unmeasured else "")
-    return (f"attention {d.attn_implementation} ({src('attn_implementation', 'default: transformers')}), "
-            f"{pack} ({src('packing', 'default: as dflash-graph run does')}), "
-            f"linear attention: {lin} ({lin_src}){tail}")
-
-
-def forward_lines(models: Mapping[str, Any]) -> list[str]:
-    """check's lines on how each qwen3_5 model's forward is assumed to run (``models`` maps a name to
-    an object with ``.spec`` (arch, forward: the declared keys) and ``.dims``)."""
-    return [f"model {name}: {forward_assumption(m.dims, m.spec.forward)}"
-            for name, m in models.items() if isinstance(getattr(m, "dims", None), Qwen35Dims)]
+    return {
+        "attn_implementation": {"value": d.attn_implementation, "means": f"attention {d.attn_implementation}",
+                                "source": src("attn_implementation", "default: transformers")},
+        "packing": {"value": d.packing, "means": pack,
+                    "source": src("packing", "default: as dflash-graph run does")},
+        "linear_kernels": {"value": d.linear_kernels, "means": f"linear attention: {lin}", "source": lin_src},
+        "not_measured": unmeasured,
+    }
 
 
 _DTYPE_NAMES = {1: "int8", 2: "bfloat16", 4: "float32", 8: "float64"}

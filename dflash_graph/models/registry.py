@@ -15,9 +15,25 @@ class Arch:
     check would count gradients and AdamW state that run never makes)."""
 
     def __init__(self, name: str, module: str, dims_class: str, components: tuple[str, ...], doc: str,
-                 loads_weights: bool = False, trains: bool = False):
+                 loads_weights: bool = False, trains: bool = False, assumptions: str | None = None):
         self.name, self._module, self._dims_class, self.components, self.doc = name, module, dims_class, components, doc
-        self.loads_weights, self.trains = loads_weights, trains
+        self.loads_weights, self.trains, self._assumptions = loads_weights, trains, assumptions
+
+    def assumptions(self, dims: Any, declared: Mapping[str, Any]) -> dict[str, Any]:
+        """What check assumes about how a model of this arch runs ({} for an arch that assumes nothing): per key
+        `value`, `means` (the words check prints) and `source` ("declared", or the default and why), and
+        `not_measured` (parts derived but not measured)."""
+        return getattr(self.module, self._assumptions)(dims, declared) if self._assumptions else {}
+
+    def assumption_line(self, dims: Any, declared: Mapping[str, Any]) -> str | None:
+        """check's line for those assumptions, or None."""
+        a = self.assumptions(dims, declared)
+        if not a:
+            return None
+        keys = [k for k in a if k != "not_measured"]
+        tail = (f"; derived from the {' and '.join(a['not_measured'])}, not yet measured"
+                if a.get("not_measured") else "")
+        return ", ".join(f"{a[k]['means']} ({a[k]['source']})" for k in keys) + tail
 
     @cached_property
     def module(self):
@@ -57,7 +73,8 @@ HF_RUNTIME_KEYS = frozenset({
 
 ARCHS: dict[str, Arch] = {
     "qwen3_5": Arch("qwen3_5", "dflash_graph.models.qwen3_5", "Qwen35Dims", ("embed", "layers", "norm", "lm_head"),
-                    "Qwen3.5 / 3.6 text model (transformers Qwen3_5ForCausalLM).", loads_weights=True),
+                    "Qwen3.5 / 3.6 text model (transformers Qwen3_5ForCausalLM).", loads_weights=True,
+                    assumptions="forward_assumptions"),
     "dflash": Arch("dflash", "dflash_graph.models.dflash", "DFlashDims", ("fc", "hidden_norm", "layers"),
                    "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`.", trains=True),
 }
