@@ -155,3 +155,15 @@ def test_json_has_the_assumptions_the_report_prints(graph, sets, in_repo, capsys
         name = key.rsplit(".", 1)[1]
         assert a[name] == {**a[name], "value": value, "source": "declared"}
     assert doc["models"]["drafter"]["assumptions"] == {}
+
+
+@pytest.mark.parametrize("fmt,key", [("tokens", "text_key"), ("chat", "text_key"), ("tokens", "messages_key"),
+                                     ("text", "messages_key")])
+def test_a_data_key_the_format_never_reads_is_refused(fmt, key, in_repo, capsys):
+    assert main(["check", "graphs/tiny.toml", "--set", f"data.format={fmt}", "--set", f"data.{key}=body"]) == 2
+    err = capsys.readouterr().err
+    assert f"--set data.{key}=body: error at data.{key}: [data] format = '{fmt}' never reads {key}" in err
+
+
+def test_a_data_key_the_format_reads_is_accepted(in_repo, capsys):
+    assert main(["check", "graphs/tiny.toml", "--set", "data.format=chat", "--set", "data.messages_key=m"]) == 0

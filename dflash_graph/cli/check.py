@@ -30,10 +30,14 @@ def nodes_json(typed) -> list[dict]:
 def models_json(typed) -> dict:
     """Each model as check sees it, with what the prediction assumes about how it runs (the lines check prints
     under the dims: attention implementation, packing, kernels; each value with its source)."""
+    import os
+
     out = {}
+    base = typed.ctx.spec.base_dir
     for name, m in typed.ctx.models.items():
+        weights = None if m.spec.weights is None else os.path.abspath(base / m.spec.weights)   # what run opens
         out[name] = {"arch": m.spec.arch, "dtype": m.spec.dtype, "trainable": m.spec.trainable,
-                     "weights": m.spec.weights, "shares": dict(m.spec.shares),
+                     "weights": weights, "shares": dict(m.spec.shares),
                      "assumptions": ARCHS[m.spec.arch].assumptions(m.dims, m.spec.forward)}
     return out
 

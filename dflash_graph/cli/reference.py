@@ -27,6 +27,9 @@ def toml_reference() -> str:
             out += ["| key | type | required | default | meaning |", "|---|---|---|---|---|"]
             for k in sec.keys:
                 doc = k.doc + (f" One of: {', '.join(k.choices)}." if k.choices else "")
+                if k.path:
+                    doc += (f" A path: `{k.path}` reads it, so `check` verifies it exists (a warning under "
+                            "`--memory-only`); `plan --emit` rewrites it relative to the file it writes.")
                 out.append(f"| `{k.name}` | {k.kind} | {'yes' if k.required else ''} | {_default(k.default)} | {doc} |")
             out.append("")
     out += ["## Model configs by arch", ""]

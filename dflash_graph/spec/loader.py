@@ -173,6 +173,11 @@ class _Builder:
         nodes = self.build_nodes(raw.get("nodes", []))
         train = self.check_keys(raw.get("train", {}), schema.TRAIN, ("train",))
         data = self.check_keys(raw["data"], schema.DATA, ("data",)) if "data" in raw else {}
+        for key, readers in (("text_key", ("auto", "text", "hf")), ("messages_key", ("auto", "chat", "hf"))):
+            fmt = data.get("format")
+            if isinstance(raw.get("data"), dict) and key in raw["data"] and fmt not in readers:
+                self.err(("data", key), f"[data] format = {fmt!r} never reads {key}: it would be ignored",
+                         hint=f"remove {key}, or use a format that reads it: {', '.join(readers)}")
         if data.get("chat_template") is not None and data.get("tokenizer") is None:
             self.err(("data", "chat_template"), "chat_template is read with the tokenizer, and [data] names none: "
                      "it would be ignored", hint='add tokenizer = "..." (the target\'s tokenizer.json or directory)')
