@@ -1,0 +1,181 @@
+"""Derived memory programs: load one (JSON, in this folder) and evaluate it for a config's dims and a seq.
+
+Pure Python, no torch: `check` can read these. A program is the allocation order of one transformers causal LM's
+forward (batch 1, torch.no_grad, use_cache=False), derived by running transformers' own modules under fake tensors
+(`dflash_graph.models.trace`, `tools/derive_programs.py`; the method and the format: docs/memory-programs.md).
+
+    prog = load("qwen3", attn="sdpa", kernels="cpu_flash")
+    run = evaluate(prog, {"hidden": 4096, ...}, seq=32768, layer_types=["decoder"] * 36)
+    run.peak, run.events, run.piece_peak
+"""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+HERE = Path(__file__).resolve().parent
+
+
+class ProgramError(ValueError):
+    pass
+
+
+@attrs.frozen
+class Event:
+    kind: str  # "alloc" or "free"
+    id: str  # unique in the run: "<piece index>:<id in the piece>[@<iteration>]"
+    nbytes: int
+    label: str  # "<piece> <module> <op> <shape>"
+    piece: str
+
+
+@attrs.frozen
+class Run:
+    events: tuple[Event, ...]
+    peak: int  # the live-bytes peak over the whole forward (embedding output and logits included)
+    piece_peak: dict[str, int]  # the live-bytes peak reached inside each piece (max over instances)
+    peak_event: int  # index in events of the allocation at the peak
+
+
+def path_of(arch: str, attn: str, transformers_version: str, kernels: str = "cpu_flash", dtype: str = "bfloat16",
+            packing: str = "documents") -> Path:
+    return HERE / f"{arch}-{attn}-{kernels}-{dtype}-{packing}-tf{transformers_version}.json"
+
+
+def available() -> list[dict[str, Any]]:
+    """The key of every stored program."""
+    return [json.loads(p.read_text())["key"] for p in sorted(HERE.glob("*.json"))]
+
+
+def load(arch: str, *, attn: str = "sdpa", kernels: str = "cpu_flash", dtype: str = "bfloat16",
+         packing: str = "documents", transformers_version: str | None = None) -> dict[str, Any]:
+    want = {"arch": arch, "attn": attn, "kernels": kernels, "dtype": dtype, "packing": packing}
+    found = [k for k in available() if all(k[x] == y for x, y in want.items())
+             and (transformers_version is None or k["transformers"] == transformers_version)]
+    if not found:
+        have = ", ".join(f"{k['arch']}/{k['attn']}/{k['kernels']}/{k['dtype']}/{k['packing']}/tf{k['transformers']}"
+                         for k in available())
+        raise ProgramError(f"no derived memory program for {want}; stored: {have}; derive one with "
+                           f"`python tools/derive_programs.py --arch {arch}`")
+    key = max(found, key=lambda k: [int(x) for x in k["transformers"].split(".") if x.isdigit()])
+    return json.loads(path_of(key["arch"], key["attn"], key["transformers"], key["kernels"], key["dtype"],
+                              key["packing"]).read_text())
+
+
+def _poly(poly: list[list], values: dict[str, int]) -> int:
+    total = Fraction(0)
+    for term in poly:
+        v = Fraction(term[0], term[1])
+        for name in term[2:]:
+            v *= values[name]
+        total += v
+    if total.denominator != 1:
+        raise ProgramError(f"a size evaluates to {total}, not an integer, at {values}")
+    return int(total)
+
+
+def _expand(piece: dict[str, Any], values: dict[str, int]) -> list[tuple[str, str, int, str]]:
+    """A piece's own events: ("a", id, nbytes, label) / ("f", id, 0, "")."""
+    out: list[tuple[str, str, int, str]] = []
+
+    def alloc(ev: dict[str, Any], ident: str) -> None:
+        n = ev["itemsize"]
+        for p in ev["shape"]:
+            n *= _poly(p, values)
+        out.append(("a", ident, n, f"{ev['module'] or '-'} {ev['op']} {ev['shape_text']} {ev['dtype']}"))
+
+    for ev in piece["head"]:
+        alloc(ev, ev["alloc"]) if "alloc" in ev else out.append(("f", ev["f"], 0, ""))
+    loop = piece.get("loop")
+    n = _poly(loop["count"], values) if loop else 0
+    for it in range(n):
+        for ev in loop["body"]:
+            if "alloc" in ev:
+                alloc(ev, f"{ev['alloc']}@{it}")
+            elif "iter" not in ev:
+                out.append(("f", ev["f"], 0, ""))
+            elif it + ev["iter"] >= 0:
+                out.append(("f", f"{ev['f']}@{it + ev['iter']}", 0, ""))
+            elif "init" in ev:
+                out.append(("f", ev["init"], 0, ""))
+    for ev in piece["tail"]:
+        if "alloc" in ev:
+            alloc(ev, ev["alloc"])
+        elif "iter" in ev:
+            out.append(("f", f"{ev['f']}@{n + ev['iter']}", 0, ""))
+        else:
+            out.append(("f", ev["f"], 0, ""))
+    return out
+
+
+def sequence(program: dict[str, Any], layer_types: list[str]) -> list[str]:
+    """The pieces of a forward over these layers: embed, prologue, each layer and the code after it, norm, ..."""
+    known = [n.removeprefix("layer:") for n in program["pieces"] if n.startswith("layer:")]
+    bad = [t for t in layer_types if t not in known]
+    if bad:
+        raise ProgramError(f"layer type {bad[0]!r} has no derived program (derived: {known})")
+    seq = ["start", "embed", "prologue"]
+    for t in layer_types:
+        seq += [f"layer:{t}", "between"]
+    return seq + ["norm", "epilogue", "lm_head", "end"]
+
+
+def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_types: list[str], *,
+             upto: str = "end") -> Run:
+    """The forward's allocation events and live-bytes peak, for dims (the program's dim names) and seq tokens.
+
+    upto="epilogue" stops when the body returns (no lm_head: the embedding, the body and its output)."""
+    need = set(program["dims"]) - {"seq", "chunks"}
+    missing = sorted(need - set(dims))
+    if missing:
+        raise ProgramError(f"missing dims {missing} (the program's dims: {sorted(need)})")
+    values = dict(dims, seq=seq)
+    if "chunks" in program["dims"]:
+        values["chunks"] = -(-seq // program["chunk_size"])
+    pieces = sequence(program, layer_types)
+    if upto not in pieces:
+        raise ProgramError(f"upto must be a piece of the forward, one of {sorted(set(pieces))}")
+    expanded = [_expand(program["pieces"][name], values) for name in pieces]
+    # cross-piece frees: each export of a piece dies in a later piece, at a position among that piece's own events
+    scheduled: dict[tuple[int, int], list[str]] = {}
+    for i, name in enumerate(pieces):
+        for ex in program["pieces"][name]["exports"]:
+            d = ex["dies"]
+            if d is None:
+                continue
+            host = i + d["offset"] if "offset" in d else pieces.index(d["piece"])
+            scheduled.setdefault((host, d["at"]), []).append(f"{i}:{ex['id']}")
+    events: list[Event] = []
+    live: dict[str, int] = {}
+    cur = peak = peak_at = 0
+    piece_peak: dict[str, int] = {}
+    stop = pieces.index(upto) if upto != "end" else len(pieces) - 1
+    for i, name in enumerate(pieces[: stop + 1]):
+        own = expanded[i]
+        for pos in range(len(own) + 1):
+            for ident in scheduled.get((i, pos), ()):
+                cur -= live.pop(ident)
+                events.append(Event("free", ident, 0, "", name))
+            if pos == len(own):
+                break
+            kind, local, n, label = own[pos]
+            ident = f"{i}:{local}"
+            if kind == "a":
+                live[ident] = n
+                cur += n
+                events.append(Event("alloc", ident, n, f"{name} {label}", name))
+                if cur > peak:
+                    peak, peak_at = cur, len(events) - 1
+            else:
+                cur -= live.pop(ident)
+                events.append(Event("free", ident, 0, "", name))
+            piece_peak[name] = max(piece_peak.get(name, 0), cur)
+    return Run(tuple(events), peak, piece_peak, peak_at)
+
+
+__all__ = ["Event", "ProgramError", "Run", "available", "evaluate", "load", "path_of", "sequence"]
