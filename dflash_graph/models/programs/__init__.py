@@ -122,7 +122,8 @@ def sequence(program: dict[str, Any], layer_types: list[str]) -> list[str]:
     seq = ["start", "embed", "prologue"]
     for t in layer_types:
         seq += [f"layer:{t}", "between"]
-    return seq + ["norm", "epilogue", "lm_head", "end"]
+    seq += ["norm", "epilogue", "lm_head", "end"]
+    return [n for n in seq if n in program["pieces"]]  # a piece with no events may be left out
 
 
 def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_types: list[str], *,
@@ -135,10 +136,17 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
     if missing:
         raise ProgramError(f"missing dims {missing} (the program's dims: {sorted(need)})")
     values = dict(dims, seq=seq)
+    for cond in program.get("holds_when", ()):
+        a, op, b = cond.split()
+        if not {"!=": values[a] != values[b], "==": values[a] == values[b]}[op]:
+            raise ProgramError(f"the stored {program['key']['arch']} program holds when {cond}, and here {a} = "
+                               f"{values[a]}, {b} = {values[b]}: transformers runs other code; a program for "
+                               f"this config must be derived (python tools/derive_programs.py, later "
+                               f"`dflash-graph trace-model CONFIG`)")
     if "chunks" in program["dims"]:
         values["chunks"] = -(-seq // program["chunk_size"])
     pieces = sequence(program, layer_types)
-    if upto not in pieces:
+    if upto != "end" and upto not in pieces:
         raise ProgramError(f"upto must be a piece of the forward, one of {sorted(set(pieces))}")
     expanded = [_expand(program["pieces"][name], values) for name in pieces]
     # cross-piece frees: each export of a piece dies in a later piece, at a position among that piece's own events

@@ -28,7 +28,8 @@ class ArchSpec:
     alts: dict[str, tuple[int, int]]  # two other values of each dim
     fixed: dict[str, Any] = attrs.field(factory=dict)  # config values the program holds for
     layers: tuple[str, ...] = ()  # layer_types to trace ((): the arch's default for 2 layers)
-    valid: Any = None  # dims -> None or why the combination is not a valid config
+    valid: Any = None  # dims -> None or why the combination is not a valid config, or not this program's
+    holds_when: tuple[str, ...] = ()  # conditions on the dims the program was derived under (evaluate checks)
 
     def config(self, values: dict[str, int], attn: str = "sdpa"):
         import transformers
@@ -67,6 +68,9 @@ def _gqa(v: dict[str, int]) -> str | None:
         return "heads must be a multiple of kv_heads"
     if v.get("lin_v_heads", 1) % v.get("lin_k_heads", 1):
         return "lin_v_heads must be a multiple of lin_k_heads"
+    if "lin_v_heads" in v and v["lin_v_heads"] == v["lin_k_heads"]:
+        # torch_chunk_gated_delta_rule repeats q and k only when the head counts differ: another program
+        return "lin_v_heads == lin_k_heads takes other code (no repeat_interleave)"
     if v.get("top_k", 0) > v.get("experts", 1 << 30):
         return "top_k must be at most experts"
     return None
@@ -97,13 +101,13 @@ ARCHS: dict[str, ArchSpec] = {
         "qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
         dict(_DENSE_DIMS, lin_k_heads="linear_num_key_heads", lin_v_heads="linear_num_value_heads",
              lin_k_dim="linear_key_head_dim", lin_v_dim="linear_value_head_dim"),
-        dict(_DENSE_BASE, lin_k_heads=2, lin_v_heads=4, lin_k_dim=16, lin_v_dim=24, seq=100),
+        dict(_DENSE_BASE, lin_k_heads=2, lin_v_heads=6, lin_k_dim=16, lin_v_dim=24, seq=100),
         # head_dim in multiples of 8: the rotary dim is head_dim * partial_rotary_factor (0.25), halved
-        dict(_DENSE_ALTS, lin_k_heads=(1, 4), lin_v_heads=(6, 8), lin_k_dim=(20, 32), lin_v_dim=(28, 16),
+        dict(_DENSE_ALTS, lin_k_heads=(1, 3), lin_v_heads=(4, 8), lin_k_dim=(20, 32), lin_v_dim=(28, 16),
              seq=(110, 120)),
         fixed={"tie_word_embeddings": False, "attention_bias": False, "linear_conv_kernel_dim": 4},
         layers=("linear_attention", "full_attention"),
-        valid=_gqa),
+        valid=_gqa, holds_when=("lin_v_heads != lin_k_heads",)),
 }
 
 #: seq values for the chunk count (Qwen3.5): the base seq's chunk count, one more, two more, and one inside a chunk

@@ -57,7 +57,7 @@ def held_out(spec: ArchSpec, n: int = 3, seed: int = 0) -> list[dict[str, int]]:
         if p.get("kv_heads"):
             p["heads"] = p["kv_heads"] * rng.choice((1, 2, 3))
         if p.get("lin_k_heads"):
-            p["lin_v_heads"] = p["lin_k_heads"] * rng.choice((1, 2, 3))
+            p["lin_v_heads"] = p["lin_k_heads"] * rng.choice((2, 3))
         if p.get("top_k"):
             p["top_k"] = min(p["top_k"], p["experts"])
         if spec.arch == "qwen3_5":
@@ -96,6 +96,7 @@ def derive(arch: str, packing: str = "documents", log=print) -> dict[str, Any]:
         "linear_kernels": "torch" if chunked else None,
         "dims": {n: (spec.dims.get(n) or n) for n in names},
         "fixed": spec.fixed,
+        "holds_when": list(spec.holds_when),
         "layer_types": layer_types,
         "chunk_size": DELTA_RULE_CHUNK if chunked else None,
         "design_points": len(pts),

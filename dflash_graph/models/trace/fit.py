@@ -124,6 +124,9 @@ def _structure(name: str, seqs: list[list[tuple]]) -> tuple[int, int, int] | Non
     if all(s == seqs[0] for s in seqs):
         return None
     lens = sorted({len(s) for s in seqs})
+    if len(lens) == 1:
+        i = next(k for k in range(len(seqs[0])) if len({s[k] for s in seqs}) > 1)
+        raise FitError(f"{name}: traces run different ops at event {i}: {sorted({s[i] for s in seqs})}")
     short = next(s for s in seqs if len(s) == lens[0])
     longer = next(s for s in seqs if len(s) == lens[1])
     body = lens[1] - lens[0]
