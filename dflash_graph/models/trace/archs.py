@@ -86,7 +86,9 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", _DENSE_DIMS, _DENSE_BASE, _DENSE_ALTS,
                       fixed={"tie_word_embeddings": False, "attention_bias": False}, valid=_gqa),
     "llama": ArchSpec("llama", "LlamaConfig", "LlamaForCausalLM", _DENSE_DIMS, _DENSE_BASE, _DENSE_ALTS,
-                      fixed={"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}, valid=_gqa),
+                      fixed={"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
+                      valid=lambda v: _gqa(v) or ("LlamaConfig wants hidden a multiple of heads"
+                                                  if v["hidden"] % v["heads"] else None)),
     "qwen3_moe": ArchSpec(
         "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
         dict({k: v for k, v in _DENSE_DIMS.items() if k != "intermediate"}, experts="num_experts",
