@@ -177,6 +177,7 @@ def test_program_peak_equals_memtracker_at_held_out_sizes(key):
     assert run.peak == tr.peak == _memtracker_peak(spec, point, key["packing"])
 
 
+@pytest.mark.skipif(not any(k["arch"] == "qwen3_5" for k in STORED), reason="no Qwen3.5 program derived yet")
 def test_qwen3_5_layers_in_any_order_and_number():
     """The program composes layers it was not traced with: three layers, full attention first."""
     spec = ARCHS["qwen3_5"]
