@@ -19,10 +19,12 @@ class Location:
     flag: str | None = None  # the command-line flag that wrote the value, e.g. "--set dims.seq=0"
 
     def render(self) -> str:
+        """'FILE:LINE', 'FILE: FLAG' or 'FLAG'; '' when nothing is known (never a placeholder: the CLI gives a
+        problem about the graph its file, GraphError.in_file)."""
         if self.flag is not None:   # the value came from the command line: the flag is where to fix it
             return f"{self.file}: {self.flag}" if self.file else self.flag
-        where = self.file or "<graph>"
-        if self.line is not None:
+        where = self.file or ""
+        if where and self.line is not None:
             where += f":{self.line}"
         return where
 
@@ -38,7 +40,8 @@ class Problem:
     context: str | None = None  # e.g. the current dim bindings
 
     def render(self, level: str = "error") -> str:
-        head = f"{self.loc.render()}: {level}"
+        where = self.loc.render()
+        head = f"{where}: {level}" if where else level
         if self.loc.path:
             head += f" at {self.loc.path}"
         if self.node:
@@ -64,6 +67,16 @@ class GraphError(Exception):
 
     def __str__(self) -> str:
         return "\n".join(p.render() for p in self.problems)
+
+    def in_file(self, file: str | None) -> GraphError:
+        """The same problems, those about the graph (a TOML path, no file, no flag) located in `file`: what the
+        CLI does for a problem raised where only the graph's keys were known (a [data] or [models] value read
+        after loading)."""
+        if not file or not any(p.loc.file is None and p.loc.flag is None and p.loc.path for p in self.problems):
+            return self
+        fixed = [attrs.evolve(p, loc=attrs.evolve(p.loc, file=file))
+                 if p.loc.file is None and p.loc.flag is None and p.loc.path else p for p in self.problems]
+        return GraphError(fixed).with_traceback(self.__traceback__)
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:

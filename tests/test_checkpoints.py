@@ -88,8 +88,11 @@ def test_no_good_checkpoint_is_a_located_error(tmp_path):
     (tmp_path / "checkpoints" / "step-00000001" / "state.json").write_text("")
     with pytest.raises(GraphError) as e:
         checkpoint.load(tmp_path)
-    assert "step-00000001 is unusable" in str(e.value)
-    with pytest.raises(GraphError, match="no checkpoint in"):
+    assert "step-00000001: error: unusable checkpoint" in str(e.value)
+    with pytest.raises(GraphError, match="no such directory"):
+        checkpoint.load(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(GraphError, match="holds no checkpoint"):
         checkpoint.load(tmp_path / "empty")
 
 

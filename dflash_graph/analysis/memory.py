@@ -617,7 +617,7 @@ def drawable(typed: Typed, flag: str) -> None:
         if n > MAX_DRAWN_EVENTS:
             raise GraphError(Problem(
                 f"{flag} draws every allocation, and device {name} makes {n:,} of them in the simulated steps, over "
-                f"the bound of {MAX_DRAWN_EVENTS:,} for drawing", Location(None, None, flag),
+                f"the bound of {MAX_DRAWN_EVENTS:,} for drawing", Location(flag=flag),
                 hint="check answers without it; to draw, check a shallower copy (--set "
                      "models.NAME.config.num_hidden_layers=...): its layers repeat the same way"))
 

@@ -316,7 +316,7 @@ def check_dim(spec, dim: str) -> str:
     """'dims.seq' or 'seq' -> 'seq', or a GraphError naming the flag."""
     name = dim[5:] if dim.startswith("dims.") else dim
     if name not in spec.dims:
-        raise GraphError(Problem(f"--max {dim}: the graph has no dim '{name}'{did_you_mean(name, list(spec.dims))}",
-                                 Location(spec.file, None, "--max"),
+        raise GraphError(Problem(f"the graph has no dim '{name}'{did_you_mean(name, list(spec.dims))}",
+                                 Location(spec.file, flag=f"--max {dim}"),
                                  hint="dims: " + ", ".join(f"dims.{d}" for d in spec.dims)))
     return name

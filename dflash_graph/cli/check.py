@@ -126,8 +126,21 @@ def missing_json(missing) -> list[dict]:
              "line": m.problem.loc.line, "message": m.problem.message} for m in missing]
 
 
+def _outputs(args) -> None:
+    """The files check's flags write, refused before the graph is checked when they cannot be written."""
+    from .outputs import output_file
+
+    if getattr(args, "plot", None):
+        from .plot import plot_output
+
+        plot_output(args.plot)
+    if getattr(args, "memory_snapshot", None):
+        output_file(args.memory_snapshot, "--memory-snapshot")
+
+
 def cmd_check(args) -> int:
     t0 = time.perf_counter()
+    _outputs(args)
     plan = plan_from_args(args)
     missing = _missing_paths(args, plan)
     code = 0 if plan.memory.fits else 1
@@ -188,6 +201,10 @@ def cmd_check(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    if args.emit:
+        from .outputs import output_file
+
+        output_file(args.emit, "--emit")
     plan = plan_from_args(args)
     if args.emit:
         import os

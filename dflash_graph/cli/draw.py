@@ -106,31 +106,41 @@ def plan_dot(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(dot_text: str, path: str) -> str:
-    low = path.lower()
-    if not low.endswith(_FORMATS):
-        raise GraphError(Problem(f"-o {path}: the file must end in .svg, .png, .pdf or .dot", Location(None, None, "-o"),
+def output(path: str) -> str:
+    """-o checked before the graph is: a known suffix, a directory that exists and can be written."""
+    from .outputs import output_file
+
+    if not path.lower().endswith(_FORMATS):
+        raise GraphError(Problem("the file must end in .svg, .png, .pdf or .dot", Location(flag=f"-o {path}"),
                                  hint="e.g. -o graph.svg"))
+    return output_file(path, "-o")
+
+
+def render(dot_text: str, path: str) -> str:
+    low = output(path).lower()
     if low.endswith(".dot"):
         with open(path, "w") as f:
             f.write(dot_text)
         return f"wrote {path}: Graphviz DOT (render it with: dot -Tsvg {path} -o graph.svg)"
     exe = shutil.which("dot")
     if exe is None:
-        raise GraphError(Problem(f"-o {path}: rendering needs Graphviz's `dot` program, which is not on PATH",
-                                 Location(None, None, "-o"),
+        raise GraphError(Problem("rendering needs Graphviz's `dot` program, which is not on PATH",
+                                 Location(flag=f"-o {path}"),
                                  hint="install Graphviz (apt-get install graphviz, brew install graphviz, or conda "
                                       "install graphviz), or write the layout's input with -o graph.dot"))
     fmt = low.rsplit(".", 1)[1]
     p = subprocess.run([exe, f"-T{fmt}", "-o", path], input=dot_text, capture_output=True, text=True)
     if p.returncode != 0:
-        raise OSError(f"dot failed: {p.stderr.strip()}")
+        raise GraphError(Problem(f"Graphviz's dot could not write it (exit {p.returncode}): "
+                                 f"{p.stderr.strip()[:300] or 'no message'}", Location(flag=f"-o {path}"),
+                                 hint="write the layout's input with -o graph.dot and run dot on it yourself"))
     return f"wrote {path}: laid out by Graphviz {fmt.upper()}"
 
 
 def cmd_draw(args) -> int:
     from .options import plan_from_args
 
+    output(args.output)
     plan = plan_from_args(args)
     print(render(plan_dot(plan), args.output))
     return 0

@@ -13,18 +13,39 @@ from ..rewrite.pipeline import compile_graph
 
 
 def run_record(d: Path) -> dict:
-    """What `run` wrote about itself into its --out directory (graph file and --set overrides)."""
-    for f in (d / "run.json", d.parent / "run.json"):
-        if f.exists():
-            return json.loads(f.read_text())
+    """What `run` wrote about itself into its --out directory (graph file and --set overrides); {} when there is
+    no run.json (a run of an older version) or it cannot be read (then --graph says which graph)."""
+    for f in (d / "run.json", d.parent / "run.json", d.parent.parent / "run.json"):
+        if f.is_file():
+            try:
+                rec = json.loads(f.read_text())
+            except (ValueError, OSError) as e:
+                print(f"warning: {f} cannot be read ({type(e).__name__}): the graph and --set flags of the run are "
+                      "not known from it", file=sys.stderr)
+                return {}
+            return rec if isinstance(rec, dict) else {}
     return {}
+
+
+def run_dir(path: str, flag: str) -> Path:
+    """The run directory a flag names, refused before anything is built when it is not one."""
+    d = Path(path)
+    if not d.exists():
+        raise GraphError(Problem("no such directory", Location(flag=f"{flag} {d}"),
+                                 hint=f"{flag} takes the --out directory of a `dflash-graph run` (runs/<graph name> "
+                                      "unless --out named another)"))
+    if not d.is_dir():
+        raise GraphError(Problem("a file, not a run directory", Location(flag=f"{flag} {d}"),
+                                 hint=f"{flag} takes the --out directory of a `dflash-graph run`"))
+    return d
 
 
 def _plan(graph: str | None, overrides: list[str], ckpt: Path):
     rec = run_record(ckpt)
     graph = graph or rec.get("graph")
     if graph is None:
-        raise GraphError(Problem(f"which graph trained {ckpt}? it has no run.json", Location(str(ckpt)),
+        raise GraphError(Problem(f"{ckpt} has no run.json that names the graph it trained (a run of an older "
+                                 "version)", Location(str(ckpt)),
                                  hint="pass --graph GRAPH (and the --set overrides the run used)"))
     same = rec.get("graph") and Path(rec["graph"]).resolve() == Path(graph).resolve()
     return compile_graph(graph, [*(rec.get("overrides", []) if same else []), *overrides])
@@ -33,21 +54,36 @@ def _plan(graph: str | None, overrides: list[str], ckpt: Path):
 def cmd_eval(args) -> int:
     import torch
 
+    from ..exec.devices import device_problem
     from ..train.data import load_data
     from ..train.speculative import Decoder, held_out_prompts, measure
     from ..train.trained import Trained
 
-    torch.set_num_threads(max(1, args.threads))
-    ckpt = Path(args.checkpoint)
+    why = device_problem(args.device)
+    if why is not None:
+        raise GraphError(Problem(why, Location(flag=f"--device {args.device}"),
+                                 hint="--device cpu (the default), or cuda:N for a GPU this machine has"))
+    for flag, n in (("--prompts", args.prompts), ("--prompt-tokens", args.prompt_tokens),
+                    ("--max-new-tokens", args.max_new_tokens), ("--threads", args.threads)):
+        if n < 1:
+            raise GraphError(Problem(f"must be at least 1, got {n}", Location(flag=f"{flag} {n}"),
+                                     hint=f"e.g. {flag} 16"))
+    torch.set_num_threads(args.threads)
+    ckpt = run_dir(args.checkpoint, "--checkpoint")
     plan = _plan(args.graph, args.overrides, ckpt)
     spec = plan.typed.ctx.spec
     from ..spec.paths import require_paths
 
     require_paths(spec, "run")          # eval reads what run reads: the target's weights, corpus, tokenizer
+    from ..models.qwen3_5 import kernel_notes
+
+
+    for note in kernel_notes(plan.typed.ctx.models):
+        print(note, file=sys.stderr)
     tr = Trained(plan, ckpt, args.device)
     seq = int(tr.target.config.max_position_embeddings or 1 << 20)    # prompts come from whole documents
     _, held = load_data(spec.data, Path(spec.data.get("_base", ".")), seq, int(spec.train["seed"]),
-                        int(tr.dims.vocab_size))
+                        int(tr.dims.vocab_size), spec.loc)
     if held is None:
         raise GraphError(Problem("eval decodes prompts from the held-out split, and the graph has none",
                                  spec.loc("data"), hint="[data] holdout = 50"))
@@ -75,10 +111,11 @@ def cmd_export(args) -> int:
     from ..train.export import export
     from ..train.trained import Trained
 
-    ckpt = Path(args.dir)
+    ckpt = run_dir(args.dir, "export DIR")
     plan = _plan(args.graph, args.overrides, ckpt)
-    tr = Trained(plan, ckpt, "cpu")
-    out = export(tr.drafter, tr.dims, tr.norm_weight, tr.target.config, Path(args.out), args.dtype, tr.drafter_name)
+    tr = Trained(plan, ckpt, "cpu", flag="export DIR")
+    out = export(tr.drafter, tr.dims, tr.norm_weight, tr.target.config, Path(args.out), args.dtype, tr.drafter_name,
+                 plan.typed.ctx.spec.loc("models", tr.drafter_name, "config"))
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({args.dtype}): the DFlash draft format "
           f"(z-lab dflash DFlashDraftModel; SGLang --speculative-algorithm DFLASH --speculative-draft-model-path {out})",
           file=sys.stdout)

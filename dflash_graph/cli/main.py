@@ -217,8 +217,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "prove":
             from ..rewrite.proofs import run_cli
             return run_cli(verbose=args.verbose, only=args.only)
-    except GraphError as e:
-        print(str(e), file=sys.stderr)
+    except GraphError as e:   # a problem about the graph's keys, raised where its file was not known, gets it here
+        print(str(e.in_file(getattr(args, "graph", None))), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -226,8 +226,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:   # the reader of the output went away: main ends quietly
         raise
     except OSError as e:   # the environment, not the graph: a path that cannot be read or written
-        where = f" {e.filename}" if getattr(e, "filename", None) else ""
-        print(f"error:{where}: {e.strerror or e}", file=sys.stderr)
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"{where}error: {e.strerror or e}\n  hint: check that the path exists, is of the right kind (file or "
+              "directory) and that you may read or write it", file=sys.stderr)
         return 2
     except Exception as e:  # a bug in dflash-graph, not in the graph: say so, and keep the traceback reachable
         import os

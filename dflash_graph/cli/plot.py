@@ -108,15 +108,24 @@ def _panel(ax, typed: Typed, mem: MemoryReport, group: list[str], title: str, se
     return top / GiB, d.capacity_bytes / GiB
 
 
-def plot_plan(plan: Plan, path: str) -> str:
+def plot_output(path: str) -> str:
+    """--plot checked before the graph is: a known suffix, matplotlib importable, a directory that can be written."""
+    import importlib.util
+
+    from .outputs import output_file
+
     if not path.lower().endswith((".png", ".svg", ".pdf")):
-        raise GraphError(Problem(f"--plot {path}: the file must end in .png, .svg or .pdf",
-                                 Location(None, None, "--plot"), hint="e.g. --plot memory.png"))
-    try:
-        import matplotlib
-    except ImportError:
-        raise GraphError(Problem("--plot needs matplotlib, which is not installed", Location(None, None, "--plot"),
-                                 hint='pip install "dflash-graph[plot]" (or: pip install matplotlib)')) from None
+        raise GraphError(Problem("the file must end in .png, .svg or .pdf", Location(flag=f"--plot {path}"),
+                                 hint="e.g. --plot memory.png"))
+    if importlib.util.find_spec("matplotlib") is None:
+        raise GraphError(Problem("drawing needs matplotlib, which is not installed", Location(flag=f"--plot {path}"),
+                                 hint='pip install "dflash-graph[plot]" (or: pip install matplotlib)'))
+    return output_file(path, "--plot")
+
+
+def plot_plan(plan: Plan, path: str) -> str:
+    plot_output(path)
+    import matplotlib
     for typed in (plan.original, plan.typed):
         drawable(typed, "--plot")
     matplotlib.use("Agg")

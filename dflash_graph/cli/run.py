@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..models.qwen3_5 import kernel_notes
 from ..rewrite.pipeline import compile_graph
 from .options import host_overrides, mapped_overrides
 from .report import render_host, render_memory, render_ooms, render_rewrites
@@ -42,6 +43,10 @@ def cmd_run(args) -> int:
 
     from ..exec.distributed import under_torchrun
 
+    if args.resume:   # a --resume that names no run is refused before the graph is compiled
+        from ..train.rundir import resume_dir
+
+        resume_dir(Path(args.resume))
     distributed = under_torchrun()
     # under torchrun every rank checks the same graph and reaches the same verdict; rank 0 prints it
     talk = not distributed or os.environ.get("RANK") == "0"
@@ -54,6 +59,8 @@ def cmd_run(args) -> int:
         print(render_memory(plan.memory, plan.memory_before))
         if plan.memory.host is not None:
             print(render_host(plan.memory.host))
+        for note in kernel_notes(plan.typed.ctx.models):   # what runs here differs from what check assumed
+            print(note, file=sys.stderr)
         if distributed:
             from .launch import render_launch
 

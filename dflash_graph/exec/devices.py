@@ -14,7 +14,7 @@ def parse_device_map(items: Sequence[str]) -> list[tuple[str, str]]:
     for it in items:
         src, sep, dst = it.partition("=")
         if not sep or not src or not dst:
-            raise GraphError(Problem(f"--device-map expects FROM=TO, got {it!r}", Location(None, None, "--device-map"),
+            raise GraphError(Problem(f"expected FROM=TO, got {it!r}", Location(flag=f"--device-map {it}"),
                                      hint="e.g. --device-map 'cuda:*=cpu' or --device-map cuda:7=cuda:1"))
         out.append((src.strip(), dst.strip()))
     return out
@@ -37,13 +37,30 @@ def torch_devices(spec: GraphSpec, device_map: Sequence[tuple[str, str]] = (),
     for name, t in out.items():
         if only is not None and name not in only:
             continue
-        if t.startswith("cuda"):
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            idx = int(t.split(":")[1]) if ":" in t else 0
-            if idx >= n:
-                have = f"{n} CUDA device(s)" if n else "no CUDA device"
-                raise GraphError(Problem(
-                    f"device '{name}' maps to {t}, but this machine has {have}", spec.loc("devices", name, "torch"),
-                    hint="run on CPU with --device-map 'cuda:*=cpu' (small dims: --set dims.seq=...), or remap "
-                         "devices with --device-map cuda:7=cuda:0"))
+        why = device_problem(t)
+        if why is not None:
+            raise GraphError(Problem(
+                f"device '{name}' maps to {t}: {why}", spec.loc("devices", name, "torch"),
+                hint="run on CPU with --device-map 'cuda:*=cpu' (small dims: --set dims.seq=...), or remap "
+                     "devices with --device-map cuda:7=cuda:0"))
     return out
+
+
+def device_problem(t: str) -> str | None:
+    """Why this process cannot run on the torch device `t` ('cpu', 'cuda', 'cuda:N'), or None."""
+    import torch
+
+    try:
+        dev = torch.device(t)
+    except RuntimeError:
+        return "not a torch device (expected cpu, cuda or cuda:N)"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"dflash-graph runs on cpu and cuda devices, not {dev.type}"
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (dev.index or 0) < n:
+        return None
+    if not torch.backends.cuda.is_built():
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    return f"this machine has {n} CUDA device(s)" if n else "this machine has no CUDA device"

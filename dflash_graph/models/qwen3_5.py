@@ -47,6 +47,7 @@ __all__ = [
     "forward_assumptions",
     "forward_kwargs",
     "installed_linear_kernels",
+    "kernel_notes",
     "CONFIG_KEYS",
     "IGNORED_CONFIG_KEYS",
     "LAYER_TYPES",
@@ -452,6 +453,24 @@ def forward_assumptions(d: Qwen35Dims, declared: Mapping[str, Any] | None = None
         "linear_kernels": {"value": d.linear_kernels, "means": f"linear attention: {lin}", "source": lin_src},
         "not_measured": unmeasured,
     }
+
+
+def kernel_notes(models: Mapping[str, Any]) -> list[str]:
+    """A note for each qwen3_5 model with linear-attention layers whose kernels in the prediction (declared, or
+    what was installed where the graph was checked) are not the ones transformers will run here, where
+    ``installed_linear_kernels()`` decides; nothing when they agree, or for a model without linear layers."""
+    here = installed_linear_kernels()
+    what = {"fla": "flash-linear-attention + causal-conv1d", "torch": "PyTorch's reference kernels"}
+    out = []
+    for name, m in models.items():
+        d = getattr(m, "dims", None)
+        if not isinstance(d, Qwen35Dims) or "linear_attention" not in d.layer_types or d.linear_kernels == here:
+            continue
+        why = "they are installed here" if here == "fla" else "flash-linear-attention/causal-conv1d are not installed here"
+        out.append(f"note: model {name}: the memory prediction assumed its linear attention on "
+                   f"{what[d.linear_kernels]} (models.{name}.linear_kernels), but transformers runs it on "
+                   f"{what[here]} ({why}): measured memory may differ from the prediction")
+    return out
 
 
 _DTYPE_NAMES = {1: "int8", 2: "bfloat16", 4: "float32", 8: "float64"}

@@ -31,7 +31,7 @@ def tables_without(rules_off: Sequence[str] = ()):
     for name in rules_off:
         if name not in ALL_RULES:
             raise GraphError(Problem(f"unknown rule '{name}'{did_you_mean(name, list(ALL_RULES))}",
-                                     Location(path="--without-rule"), hint="rules: " + ", ".join(ALL_RULES)))
+                                     Location(flag=f"--without-rule {name}"), hint="rules: " + ", ".join(ALL_RULES)))
     return [(p, [r for r in rules if r.name not in rules_off]) for p, rules in DEFAULT_TABLES]
 
 

@@ -280,25 +280,62 @@ def newest_complete(dirpath: Path) -> tuple[int, Path] | None:
     return None
 
 
-def load(dirpath: Path) -> tuple[dict, Path]:
-    """The state of the newest checkpoint that verifies, and its directory. A corrupted newer one is named on
-    stderr and skipped; none at all is a GraphError that names each one found and what is wrong with it."""
+def is_checkpoint(d: Path) -> bool:
+    """`d` is one checkpoint (a step directory, or the `checkpoint` link to one), not a run directory."""
+    return (d / "manifest.json").is_file() or (d / "state.json").is_file()
+
+
+def newest_good(dirpath: Path, flag: str, doing: str = "resuming from") -> Path:
+    """The newest checkpoint that verifies: in a run's --out directory `dirpath` (each newer one that does not is
+    named on stderr and skipped), or `dirpath` itself when it is one checkpoint. None is a GraphError that names
+    `flag` (how the user gave the directory), each checkpoint found and what is wrong with it."""
     from ..errors import GraphError, Location, Problem
 
+    if not dirpath.exists():
+        raise GraphError(Problem("no such directory", Location(flag=f"{flag} {dirpath}"),
+                                 hint=f"{flag} takes the --out directory of a `dflash-graph run` (runs/<graph name> "
+                                      "unless --out named another)"))
+    if not dirpath.is_dir():
+        raise GraphError(Problem("a file, not a run directory", Location(flag=f"{flag} {dirpath}"),
+                                 hint=f"{flag} takes the --out directory of a `dflash-graph run`"))
+    one = is_checkpoint(dirpath)
     skipped = []
-    for ck in candidates(dirpath):
+    for ck in [dirpath] if one else candidates(dirpath):
         why = verify(ck)
         if why is None:
             for p, w in skipped:
-                print(f"warning: checkpoint {p} is unusable ({w}); resuming from {ck}", file=sys.stderr)
-            return json.loads((ck / "state.json").read_text()), ck
+                print(f"warning: checkpoint {p} is unusable ({w}); {doing} {ck}", file=sys.stderr)
+            return ck
         skipped.append((ck, why))
     if not skipped:
-        raise GraphError(Problem(f"no checkpoint in {dirpath}", Location(str(dirpath)),
-                                 hint="--resume takes the --out directory of an earlier run"))
-    raise GraphError([Problem(f"checkpoint {p} is unusable: {w}", Location(str(p)),
-                              hint="no complete checkpoint is left in this directory; start a new run with --out")
-                      for p, w in skipped])
+        raise GraphError(Problem(f"{dirpath} holds no checkpoint", Location(flag=f"{flag} {dirpath}"),
+                                 hint=f"{flag} takes the --out directory of a `dflash-graph run` that saved a "
+                                      "checkpoint (runs/<graph name> unless --out named another)"))
+    hint = (f"pass the run directory ({dirpath.parent}) to fall back to an older checkpoint" if one else
+            "no complete checkpoint is left in this directory: train again (a new run with --out)")
+    raise GraphError([Problem(f"unusable checkpoint: {w}", Location(str(p)), hint=hint) for p, w in skipped])
+
+
+def load(dirpath: Path) -> tuple[dict, Path]:
+    """The state of the newest checkpoint that verifies, and its directory (newest_good)."""
+    ck = newest_good(dirpath, "--resume")
+    return json.loads((ck / "state.json").read_text()), ck
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file, or a GraphError naming it when it cannot be read as one (a checkpoint of
+    the older format has no manifest that would have caught it)."""
+    from safetensors import SafetensorError
+
+    from ..errors import GraphError, Location, Problem
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise GraphError(Problem(f"{path.name} is not a readable safetensors file ({str(e).splitlines()[0][:200]})",
+                                 Location(str(path)),
+                                 hint="the file is truncated or corrupted: use an older checkpoint of the run "
+                                      "(checkpoints/step-N), or train again")) from None
 
 
 def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler, generator, masters=()) -> None:
@@ -313,7 +350,7 @@ def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler
             saved = sorted(p.stem for p in ck.glob("*.safetensors"))
             raise GraphError(Problem(f"checkpoint {ck} has no weights for the drafter '{name}' this graph trains "
                                      f"(it holds: {', '.join(saved) or 'none'})", Location(str(ck)), hint=hint))
-        state = load_file(str(path))
+        state = read_weights(path)
         diff = state_dict_differences(m.state_dict(), state)
         if diff:
             raise GraphError(Problem(f"this checkpoint does not fit the drafter '{name}' the graph builds: {diff}",

@@ -10,7 +10,7 @@ packed, so a checkpoint records one number and --resume fast-forwards to it exac
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,35 +121,40 @@ class PackedData:
             self.next_batch()
 
 
-def _exists(p: Path | None, what: str) -> Path:
+def _toml_only(*path: str) -> Location:
+    return Location(path=".".join(path))
+
+
+def _exists(p: Path | None, what: str, where: Callable[..., Location] = _toml_only) -> Path:
     if p is None or not p.exists():
         hint = {"tokenizer": "[data] tokenizer: a tokenizer.json or a local directory (relative to the graph file)",
                 "corpus": "[data] corpus is relative to the graph file"}[what]
-        raise GraphError(Problem(f"{what} not found: {p}", Location(str(p), None, f"data.{what}"), hint=hint))
+        raise GraphError(Problem(f"{what} not found: {p}", where("data", what), hint=hint))
     return p
 
 
 def load_data(data: Mapping[str, Any], base: Path, seq: int, seed: int, vocab: int | None = None,
-              loc=None) -> tuple[PackedData, PackedData | None]:
+              where: Callable[..., Location] = _toml_only) -> tuple[PackedData, PackedData | None]:
     """The training split and the held-out split (the last `[data] holdout` documents of the corpus, in file
     order; never trained on) from a graph's [data] section. Refuses, before any step runs, a corpus whose
-    training split has no loss token."""
+    training split has no loss token. `where("data", KEY)` locates a [data] key in the graph file (GraphSpec.loc)."""
     fmt = data.get("format", "auto")
     if fmt not in FORMATS:
-        raise GraphError(Problem(f"unknown data format '{fmt}'", loc or Location(None, None, "data.format"),
+        raise GraphError(Problem(f"unknown data format '{fmt}'", where("data", "format"),
                                  expected=" | ".join(FORMATS), actual=fmt))
-    corpus = _exists(base / data["corpus"], "corpus")
+    corpus = _exists(base / data["corpus"], "corpus", where)
     tok = None
     if data.get("tokenizer"):
         ct = data.get("chat_template")
-        tok = load_tokenizer(_exists(base / data["tokenizer"], "tokenizer"), base / ct if ct else None)
+        tok = load_tokenizer(_exists(base / data["tokenizer"], "tokenizer", where), base / ct if ct else None)
     docs, kind = read_documents(corpus, tok, fmt, data.get("text_key", "text"), data.get("messages_key", "messages"),
                                 data.get("split", "train"), vocab)
     eos = (tok.eos_token_id if tok is not None and tok.eos_token_id is not None else 0)
     holdout = int(data.get("holdout", 0))
     if holdout < 0 or holdout >= len(docs):
-        raise GraphError(Problem(f"[data] holdout = {holdout} leaves no document to train on",
-                                 loc or Location(None, None, "data.holdout"),
+        raise GraphError(Problem(f"[data] holdout = {holdout} " + ("is negative" if holdout < 0 else
+                                                                   "leaves no document to train on"),
+                                 where("data", "holdout"),
                                  expected=f"0 <= holdout < {len(docs)} (the corpus has {len(docs)} documents)",
                                  actual=str(holdout)))
     train_docs, held_docs = (docs[:-holdout], docs[-holdout:]) if holdout else (docs, [])

@@ -82,14 +82,14 @@ def config(dims, num_target_layers: int, dtype: str, max_position_embeddings: in
 
 
 def export(drafter, dims, norm_weight: torch.Tensor, target_config, out: Path, dtype: str = "bfloat16",
-           drafter_name: str = "drafter") -> Path:
+           drafter_name: str = "drafter", loc: Location | None = None) -> Path:
     """Write `out/config.json` and `out/model.safetensors` for a trained `drafter` (DFlashDrafter) whose final
     norm is the target's (`norm_weight`, a (1 + w) norm); `target_config` gives num_hidden_layers and
-    max_position_embeddings."""
+    max_position_embeddings; `loc` is where the graph declares the drafter's config."""
     d = dims
     if d.target_hidden_size != d.hidden_size:
         raise GraphError(Problem("the DFlash format needs the drafter's hidden_size equal to the target's",
-                                 Location(None, None, f"models.{drafter_name}.config"),
+                                 loc or Location(path=f"models.{drafter_name}.config"),
                                  expected=f"hidden_size = {d.target_hidden_size}", actual=str(d.hidden_size)))
     from .checkpoint import save_tensors   # safetensors' I/O failures as the OSError they are
 
@@ -112,4 +112,5 @@ def export_trainer(trainer, out: Path, dtype: str = "bfloat16") -> Path:
     tdev = str(next(drafter.parameters()).device)
     norm = store.component(name, "norm", tdev).weight
     return export(drafter, trainer.plan.typed.ctx.models[name].dims, norm,
-                  dict(trainer.plan.typed.ctx.models[target].config), out, dtype, name)
+                  dict(trainer.plan.typed.ctx.models[target].config), out, dtype, name,
+                  trainer.plan.typed.ctx.spec.loc("models", name, "config"))

@@ -70,8 +70,9 @@ class Progress:
             except ImportError as e:   # tensorboard is an optional package
                 from ..errors import GraphError, Location, Problem
 
-                raise GraphError(Problem(f"--tensorboard needs the tensorboard package ({e})",
-                                         Location(None, None, "--tensorboard"), hint="pip install tensorboard")) from None
+                raise GraphError(Problem(f"logging to TensorBoard needs the tensorboard package ({e})",
+                                         Location(flag=f"--tensorboard {tensorboard}"),
+                                         hint="pip install tensorboard, or run without --tensorboard")) from None
             self.writer = SummaryWriter(tensorboard)
 
     def _rich_ok(self) -> bool:

@@ -136,6 +136,19 @@ def write_json(path: Path, obj: dict) -> None:
         raise
 
 
+def resume_dir(resume: Path) -> None:
+    """Refuse, before anything is built, a --resume that names no run directory."""
+    flag = Location(flag=f"--resume {resume}")
+    hint = "--resume takes the --out directory of an earlier run (runs/<graph name> unless --out named another)"
+    if not resume.exists():
+        raise GraphError(Problem("no such directory", flag, hint=hint))
+    if not resume.is_dir():
+        raise GraphError(Problem("a file, not a run directory", flag, hint=hint))
+    if not holds_a_run(resume):
+        raise GraphError(Problem(f"{resume} holds no run (no {RUN_FILE}, metrics or checkpoint)", flag,
+                                 hint=hint + "; to start a run there, use --out"))
+
+
 def check_resume(resume: Path, spec, allow: Sequence[str]) -> None:
     """Refuse a resume whose resolved graph differs from the run's in anything but ALWAYS_OK (and the WITH_FLAG
     keys `--allow-change` names), naming each difference."""
@@ -144,8 +157,9 @@ def check_resume(resume: Path, spec, allow: Sequence[str]) -> None:
         raise GraphError(Problem(f"--allow-change {bad_flags[0]}: only {', '.join(sorted(WITH_FLAG))} may be allowed "
                                  "to change on resume", Location(None, None, None, f"--allow-change {bad_flags[0]}"),
                                  hint="anything else changes what the checkpoint holds: start a new run"))
+    resume_dir(resume)
     path = resume / RUN_FILE
-    if not path.exists():
+    if not path.exists():   # a checkpoint without run.json: what versions before run.json wrote
         print(f"note: {resume} has no {RUN_FILE} (a run from an older version): the graph is not compared with the "
               "checkpoint's", file=sys.stderr)
         return
@@ -153,7 +167,7 @@ def check_resume(resume: Path, spec, allow: Sequence[str]) -> None:
         run = json.loads(path.read_text())
         # the latest invocation's graph: a resume already accepted with --allow-change becomes the new reference
         old = (run.get("resumes") or [run])[-1]["resolved"]
-    except (ValueError, KeyError, TypeError, IndexError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise GraphError(Problem(f"{path} is not valid ({type(e).__name__})", Location(str(path)),
                                  hint="it records the graph the run used; without it the resume cannot be checked")) from None
     a, b = flatten(old), flatten(_jsonable(spec.resolved))

@@ -27,29 +27,34 @@ def drafter_names(plan: Plan) -> tuple[str, str]:
     return dr[0], target
 
 
-def checkpoint_file(ckpt: Path, drafter: str) -> Path:
-    """DIR may be a run's --out directory or its checkpoint/ directory."""
-    for d in (ckpt / "checkpoint", ckpt):
-        f = d / f"{drafter}.safetensors"
-        if f.exists():
-            return f
-    raise GraphError(Problem(f"no drafter checkpoint in {ckpt}", Location(str(ckpt)),
-                             expected=f"{ckpt}/checkpoint/{drafter}.safetensors",
-                             hint="pass the --out directory of a `dflash-graph run`"))
+def checkpoint_file(ckpt: Path, drafter: str, flag: str) -> Path:
+    """The drafter's weights in the newest checkpoint that verifies (train/checkpoint.py, newest_good): `ckpt` is
+    a run's --out directory, or one checkpoint directory (its checkpoint/ link or a checkpoints/step-N)."""
+    from .checkpoint import newest_good
+
+    ck = newest_good(ckpt, flag, doing="using")
+    f = ck / f"{drafter}.safetensors"
+    if not f.is_file():
+        saved = sorted(p.stem for p in ck.glob("*.safetensors"))
+        raise GraphError(Problem(f"checkpoint {ck} has no weights for the drafter '{drafter}' this graph trains "
+                                 f"(it holds: {', '.join(saved) or 'none'})", Location(str(ck)),
+                                 expected=str(f), hint="use the graph (and --set overrides) the run was trained with"))
+    return f
 
 
 class Trained:
-    def __init__(self, plan: Plan, ckpt: Path, device: str = "cpu"):
-        from safetensors.torch import load_file
+    def __init__(self, plan: Plan, ckpt: Path, device: str = "cpu", flag: str = "--checkpoint"):
+        from .checkpoint import read_weights
 
         self.plan = plan
         self.drafter_name, self.target_name = drafter_names(plan)
         self.dims = plan.typed.ctx.models[self.drafter_name].dims
+        weights = checkpoint_file(ckpt, self.drafter_name, flag)   # a bad checkpoint is found before any model is built
         self.store = ModelStore(plan.typed, {d: device for d in plan.typed.ctx.spec.devices},
                                 int(plan.typed.ctx.spec.train["seed"]))
         self.target = self.store.full(self.target_name, device)
         self.drafter = self.store.drafter(self.drafter_name, device)
-        state = load_file(str(checkpoint_file(ckpt, self.drafter_name)))
+        state = read_weights(weights)
         try:
             self.drafter.load_state_dict({k: v.to(device) for k, v in state.items()})
         except RuntimeError as e:

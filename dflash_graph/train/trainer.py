@@ -190,6 +190,18 @@ def _complete(saved: tuple[int, Path] | None) -> str:
         "no checkpoint is complete on disk"
 
 
+def _kept(out: Path, resume: Path | None) -> str:
+    """What a stop without a final save keeps (a second Ctrl-C): the newest complete checkpoint on disk, read
+    back, and how to continue; or that there is none."""
+    saved = checkpoint.newest_complete(out)
+    if saved is not None:
+        return f"kept the checkpoint of step {saved[0]} ({saved[1]}); continue with --resume {out}"
+    if resume is not None and (saved := checkpoint.newest_complete(resume)) is not None:
+        return (f"no checkpoint was saved in {out} yet; the one resumed from is kept (step {saved[0]}, {saved[1]}): "
+                f"continue with --resume {resume} --out {out}")
+    return f"no checkpoint was saved yet, so there is nothing to resume; start again with --out {out} --overwrite"
+
+
 def _last_good(saved: tuple[int, Path] | None, none: str) -> str:
     return f"the last good checkpoint is intact: {saved[1]} (step {saved[0]})" if saved else none
 
@@ -258,7 +270,7 @@ class Trainer:
                 raise GraphError(Problem("the graph has no [data] section", spec.loc(),
                                          hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
             vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
-            train, held = load_data(spec.data, base, self._seq_len(), self.seed, vocab)
+            train, held = load_data(spec.data, base, self._seq_len(), self.seed, vocab, spec.loc)
             self.shards = {r: train.shard(r, R) for r in mine}
             self.held = held if self.comm is None else None
         torch.manual_seed(self.seed)
@@ -533,8 +545,7 @@ class Trainer:
         if self.comm is not None and (lost is not None or interrupted):
             return self._stop_distributed(step, lost)
         if hard_stop:
-            print(f"stopped during step {step + 1}: kept the last saved checkpoint in {out / 'checkpoint'} (if any); "
-                  f"continue with --resume {out}", file=sys.stderr)
+            print(f"stopped during step {step + 1}: {_kept(out, self.opts.resume)}", file=sys.stderr)
             return 130
         try:
             if self.is_writer:
