@@ -775,6 +775,17 @@ def _infer_node(node: Node, graph: Graph, ctx: GraphContext, types: Mapping[Ref,
                        context=ctx.env.bindings_text() + "  bound: " + _binds_text(binds),
                        hint=f"'{producer.node}' produces {t.sym_str()}; make the dims agree or insert the op that "
                             "converts between them") from None
+    for need in op.requires:
+        small, large = binds.get(need.small), binds.get(need.large)
+        if small is not None and large is not None and small.value > large.value:
+            def named(k: str, d) -> str:
+                return f"{k} = {d.value:,}" if d.sym == k else f"{k} ({d.sym} = {d.value:,})"
+
+            raise fail(f"{named(need.small, small)} is larger than {named(need.large, large)}: {need.why}", "params",
+                       expected=f"{need.small} <= {need.large}", actual=f"{small.value:,} > {large.value:,}",
+                       context=ctx.env.bindings_text(),
+                       hint=f"lower {_dim_ref(small, ctx)} or raise {_dim_ref(large, ctx)} (in the graph file or "
+                            "with --set)")
     out_ports = op.output_ports(p)
     try:
         if op.shape_fn:
@@ -801,6 +812,11 @@ def _dtype(rule: str, model_dtype: str | None, in_types: Mapping[str, TensorType
         t = in_types.get(rule[5:])
         return t.dtype if t else None
     return rule
+
+
+def _dim_ref(d: Dim, ctx: GraphContext) -> str:
+    """'dims.seq' for a dim of the graph's [dims], else its expression."""
+    return f"dims.{d.sym}" if d.sym in ctx.spec.dims else d.sym
 
 
 def _binds_text(binds: Mapping[str, Any]) -> str:

@@ -74,6 +74,9 @@ def ops_reference() -> str:
         traits = [x for x in traits if x]
         if traits:
             out.append("- traits: " + "; ".join(traits))
+        if op.requires:
+            out.append("- requires (checked by `check`): " + "; ".join(f"`{r.small} <= {r.large}`: {r.why}"
+                                                                       for r in op.requires))
         if op.device_rule != "node":
             out.append(f"- devices: {op.device_rule} (input on any device, output on the node's device)")
         out.append("")

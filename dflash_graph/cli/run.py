@@ -83,7 +83,8 @@ def cmd_run(args) -> int:
     if resume is not None:
         rundir.check_resume(resume, spec, getattr(args, "allow_change", []))
     elif getattr(args, "allow_change", []):
-        raise GraphError(Problem("--allow-change only applies with --resume", Location(None, None, None, "--allow-change")))
+        raise GraphError(Problem("--allow-change only applies with --resume", Location(None, None, None, "--allow-change"),
+                                 hint="drop --allow-change, or add --resume DIR to continue that run"))
     if not distributed or os.environ.get("LOCAL_RANK", "0") == "0":   # one process per machine readies the directory
         rundir.prepare(out, resume, getattr(args, "overwrite", False))
     opts = RunOptions(out=out, steps=args.steps, resume=resume,

@@ -10,11 +10,18 @@ from ..spec.document import GraphSpec
 
 
 def parse_device_map(items: Sequence[str]) -> list[tuple[str, str]]:
+    """[(FROM pattern, TO device)]; TO must be a torch device a graph may declare (checked without torch)."""
+    from ..spec.loader import valid_torch_device
+
     out = []
     for it in items:
         src, sep, dst = it.partition("=")
-        if not sep or not src or not dst:
+        if not sep or not src.strip() or not dst.strip():
             raise GraphError(Problem(f"expected FROM=TO, got {it!r}", Location(flag=f"--device-map {it}"),
+                                     hint="e.g. --device-map 'cuda:*=cpu' or --device-map cuda:7=cuda:1"))
+        if not valid_torch_device(dst.strip()):
+            raise GraphError(Problem(f"{dst.strip()!r} is not a torch device", Location(flag=f"--device-map {it}"),
+                                     expected="cpu, cuda or cuda:N after the '='",
                                      hint="e.g. --device-map 'cuda:*=cpu' or --device-map cuda:7=cuda:1"))
         out.append((src.strip(), dst.strip()))
     return out
@@ -56,8 +63,14 @@ def device_problem(t: str) -> str | None:
         return "not a torch device (expected cpu, cuda or cuda:N)"
     if dev.type == "cpu":
         return None
+    if dev.type == "meta":
+        return "the meta device holds no data: nothing can run on it"
     if dev.type != "cuda":
-        return f"dflash-graph runs on cpu and cuda devices, not {dev.type}"
+        try:
+            torch.empty(0, device=dev)
+        except Exception as e:   # torch says why in its own exception types (RuntimeError, NotImplementedError)
+            return f"not available here ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        return None
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if (dev.index or 0) < n:
         return None

@@ -38,6 +38,23 @@ def _quiet_kernel_fallbacks() -> None:
         lg.addFilter(_KernelFallbackNote())
 
 
+def _weights_error(e: Exception, model: str, weights: Path, loc) -> Exception:
+    """The user's weights file that cannot be read, or that does not fit the model's config, as a located error;
+    any other exception as it is."""
+    from safetensors import SafetensorError
+
+    first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    if isinstance(e, (SafetensorError, OSError)):
+        return GraphError(Problem(f"the weights of model '{model}' cannot be read: {weights}: {first}", loc,
+                                  hint="a .safetensors file, or a directory with model.safetensors (or a sharded "
+                                       "model.safetensors.index.json), relative to the graph file"))
+    if isinstance(e, (ValueError, RuntimeError)):   # keys or shapes that the config's model does not have
+        return GraphError(Problem(f"the weights of model '{model}' do not fit its config: {first}", loc,
+                                  hint=f"use the weights that belong to models.{model}.config (the config.json "
+                                       "beside them)"))
+    return e
+
+
 class ModelStore:
     def __init__(self, typed: Typed, torch_device: dict[str, str], seed: int = 0):
         self.typed = typed
@@ -71,7 +88,12 @@ class ModelStore:
                                          f"which needs a CUDA device; it would run on {tdev}",
                                          self.typed.ctx.spec.loc("models", model, "attn_implementation"),
                                          hint="declare \"sdpa\" or \"eager\" (packing = \"mask\") for a CPU run"))
-            built = build_target(dict(m.config), weights, DTYPES[m.spec.dtype], tdev, attn_implementation=impl)
+            try:
+                built = build_target(dict(m.config), weights, DTYPES[m.spec.dtype], tdev, attn_implementation=impl)
+            except Exception as e:
+                if weights is None:
+                    raise
+                raise _weights_error(e, model, weights, self.typed.ctx.spec.loc("models", model, "weights")) from None
             built.dflash_packing = getattr(m.dims, "packing", "documents")
             built.requires_grad_(False)
             self._full[key] = built

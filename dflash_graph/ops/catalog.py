@@ -10,7 +10,7 @@ from typing import Any
 
 from ..ir.graph import Node, Ref
 from . import costs
-from .contract import (BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, PortsExample,
+from .contract import (AtMost, BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, PortsExample,
                        ReadsLayers, Selection, Traits)
 
 IMPL = "dflash_graph.ops.torch_impl"
@@ -161,6 +161,7 @@ declare(OpDef(
     params=(Param("count", "dim", "Anchors per sequence (max_anchors).", default="anchors"),
             Param("block", "dim", "Block size.", default="block")),
     bind=lambda c: {"anchors": c.params["count"], "block": c.params["block"]},
+    requires=(AtMost("block", "seq", "a block of block tokens starts at each anchor and must fit in the sequence"),),
     traits=Traits(pure=True, deterministic=False),   # draws from the run's generator: a copy samples others
     cost=costs.no_workspace,
     impl=f"{IMPL}:anchor_sample",

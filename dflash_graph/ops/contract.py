@@ -147,6 +147,16 @@ class Traits:
 
 
 @attrs.frozen
+class AtMost:
+    """A relation between two of the op's bound dims that its implementation needs: `small` <= `large` (e.g. a
+    block must fit in the sequence). Checked by inference with the concrete sizes, so that dims that contradict
+    each other are refused by `check`, not found by the run."""
+    small: str
+    large: str
+    why: str
+
+
+@attrs.frozen
 class OpDef:
     name: str
     doc: str
@@ -164,6 +174,7 @@ class OpDef:
     cost: Callable[["CostContext"], "NodeCost"] | None = None
     impl: str | None = None                  # "module:function" of the torch implementation
     example: PortsExample | None = None      # params the generated docs show its ports with (ports from params)
+    requires: tuple[AtMost, ...] = ()        # relations between bound dims the implementation needs
 
     def module_roles(self) -> tuple[str, ...]:
         """The modules a node of this op uses at run time (Traits.modules; by default its components)."""

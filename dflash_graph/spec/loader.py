@@ -284,7 +284,7 @@ class _Builder:
             return out
         for name, d in devs.items():
             v = self.check_keys(d, schema.DEVICE, ("devices", name))
-            if v.get("torch") is not None and not _valid_torch_device(v["torch"]):
+            if v.get("torch") is not None and not valid_torch_device(v["torch"]):
                 self.err(("devices", name, "torch"), f"{short(v['torch'])} is not a torch device",
                          hint="use 'cpu', 'cuda', 'cuda:N' or 'meta'")
             rank, rate = v.get("rank"), None
@@ -398,7 +398,7 @@ class _Builder:
         return out
 
 
-def _valid_torch_device(s: str) -> bool:
+def valid_torch_device(s: str) -> bool:
     return re.fullmatch(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,4})?", s, flags=re.ASCII) is not None
 
 
@@ -499,7 +499,8 @@ def apply_overrides(raw: dict, overrides: Sequence[str], b: _Builder | None = No
         old = cur.get(parts[-1]) if isinstance(cur, dict) else None
         if isinstance(old, (dict, list)):
             fail(f"only scalars can be set, '{key.strip()}' is a {'table' if isinstance(old, dict) else 'list'}",
-                 hint=f"set its keys one by one, e.g. --set {key.strip()}.<key>=VALUE" if isinstance(old, dict) else None)
+                 hint=f"set its keys one by one, e.g. --set {key.strip()}.<key>=VALUE" if isinstance(old, dict) else
+                 "a list is changed in the graph file: edit a copy of it")
         if len(val) > 100_000:
             fail(f"the value is {len(val):,} characters, over the bound of 100,000 for a --set value")
         try:

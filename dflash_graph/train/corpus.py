@@ -61,12 +61,19 @@ def load_tokenizer(path: Path, chat_template: Path | None = None):
     from ..models.nn.qwen3_5 import load_tokenizer as load_json
 
     _offline()
-    if path.is_dir() and (path / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
+    try:
+        if path.is_dir() and (path / "tokenizer_config.json").exists():
+            from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    else:
-        tok = load_json(path)
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        else:
+            tok = load_json(path)
+    except (OSError, ValueError) as e:      # a missing file, a config transformers refuses
+        raise _tokenizer_error(path, e) from None
+    except Exception as e:   # the `tokenizers` library reports a file it cannot parse as a bare Exception
+        if type(e) is not Exception:
+            raise
+        raise _tokenizer_error(path, e) from None
     if chat_template is not None:
         if not chat_template.exists():
             raise GraphError(Problem(f"chat template not found: {chat_template}", Location(str(chat_template)),
@@ -79,10 +86,23 @@ def load_tokenizer(path: Path, chat_template: Path | None = None):
     return tok
 
 
+def _tokenizer_error(path: Path, e: BaseException) -> GraphError:
+    return GraphError(Problem(f"cannot be read as a tokenizer ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})",
+                              Location(str(path)),
+                              hint="[data] tokenizer: the target's tokenizer.json, or a directory with its "
+                                   "tokenizer_config.json (relative to the graph file)"))
+
+
 # -- records ---------------------------------------------------------------------------------------------------
 def _jsonl(path: Path) -> Iterator[tuple[dict[str, Any], int | None, int | None]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:    # decoded line by line, so that bytes that are not UTF-8 are found on their line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _err(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})", str(path), lineno,
+                           hint="a JSONL corpus is UTF-8 text, one JSON object a line; for another kind of file "
+                                "set [data] format (text, chat, tokens or hf)") from None
             if not line.strip():
                 continue
             try:
@@ -103,8 +123,15 @@ def _parquet(path: Path) -> Iterator[tuple[dict[str, Any], int | None, int | Non
         raise GraphError(Problem("reading a Parquet corpus needs the `pyarrow` package", Location(str(path)),
                                  hint='pip install "dflash-graph[data]"')) from None
 
+    import pyarrow
+
+    try:
+        pf = pq.ParquetFile(str(path))
+    except pyarrow.ArrowException as e:
+        raise _err(f"not a readable Parquet file ({str(e).splitlines()[0][:200]})", str(path),
+                   hint="write the corpus with pyarrow.parquet.write_table or Dataset.to_parquet, or use JSONL") from None
     row = 0
-    for batch in pq.ParquetFile(str(path)).iter_batches(batch_size=1024):
+    for batch in pf.iter_batches(batch_size=1024):
         for rec in batch.to_pylist():
             yield rec, None, row
             row += 1
@@ -305,5 +332,7 @@ def read_documents(path: Path, tok, fmt: str = "auto", text_key: str = "text", m
             reader = Reader(tok, kind, text_key, messages_key, vocab)
         docs.append(reader.document(rec, str(path), line, row))
     if reader is None:
-        raise GraphError(Problem("the corpus has no documents", Location(str(path))))
+        raise GraphError(Problem("the corpus has no documents", Location(str(path)),
+                                 hint="a JSONL corpus has one JSON object a line, e.g. {\"text\": \"...\"}; "
+                                      "[data] corpus names it, relative to the graph file"))
     return docs, reader.kind
