@@ -114,9 +114,9 @@ CASES = [
     # -- run: flags and directories (refused before anything trains)
     ("steps-zero", ["run", G, "--steps", "0"], "--steps"),
     ("steps-not-a-number", ["run", G, "--steps", "many"], "--steps"),
-    ("resume-missing", ["run", G, "--resume", "{bad}/nope"], "--resume"),
+    ("resume-missing", ["run", G, "--resume", "{bad}/nope"], "--resume {bad}/nope: error: no such directory"),
     ("resume-a-file", ["run", G, "--resume", "{bad}/afile"], "--resume"),
-    ("resume-an-empty-directory", ["run", G, "--resume", "{bad}/adir"], "--resume"),
+    ("resume-an-empty-directory", ["run", G, "--resume", "{bad}/adir"], "--resume {bad}/adir: error"),
     ("resume-run-json-not-json", ["run", G, "--resume", "{bad}/badjson", "--out", "{bad}/o1"], "run.json"),
     ("out-is-a-file", ["run", G, "--out", "{bad}/afile"], "--out"),
     ("allow-change-without-resume", ["run", G, "--allow-change", "train.lr", "--out", "{bad}/o2"], "--allow-change"),
@@ -152,7 +152,7 @@ CASES = [
     ("eval-device-cuda-here", ["eval", G, "--checkpoint", "{bad}/run", "--device", "cuda:7"], "--device"),
     ("eval-device-not-a-device", ["eval", G, "--checkpoint", "{bad}/run", "--device", "gpu"], "--device"),
     ("eval-prompts-zero", ["eval", G, "--checkpoint", "{bad}/run", "--prompts", "0"], "--prompts"),
-    ("export-dir-missing", ["export", "{bad}/nope", "--out", "{bad}/hf"], "{bad}/nope"),
+    ("export-dir-missing", ["export", "{bad}/nope", "--out", "{bad}/hf"], "export DIR {bad}/nope: error: no such directory"),
     ("export-dir-a-file", ["export", "{bad}/afile", "--out", "{bad}/hf"], "{bad}/afile"),
     ("export-checkpoint-modified", ["export", "{bad}/run", "--out", "{bad}/hf"], "step-00000002"),
     ("export-checkpoint-corrupt-older-layout", ["export", "{bad}/oldrun", "--out", "{bad}/hf"], "drafter.safetensors"),
@@ -180,3 +180,97 @@ def test_bad_input_is_exit_2_with_where_and_a_fix(argv, names, bad, in_repo, cap
 def test_enough_bad_inputs():
     assert len(CASES) >= 50
     assert len({i for i, _, _ in CASES}) == len(CASES)
+
+
+# -- messages ---------------------------------------------------------------------------------------------------
+
+def test_a_location_is_never_a_placeholder():
+    """A problem raised where no file is known says 'error:', and the CLI gives a graph-key problem the graph's
+    file; a flag problem names the flag."""
+    from dflash_graph.errors import GraphError, Location, Problem
+
+    assert Problem("x").render() == "error: x"
+    e = GraphError([Problem("bad holdout", Location(path="data.holdout")), Problem("bad flag", Location(flag="--plot x"))])
+    text = str(e.in_file("graphs/tiny.toml"))
+    assert text.splitlines()[0] == "graphs/tiny.toml: error at data.holdout: bad holdout"
+    assert text.splitlines()[1] == "--plot x: error: bad flag"
+
+
+def test_holdout_error_names_the_graph_file_and_line(in_repo, tmp_path, capsys):
+    """[data] holdout is read with the data, after the graph is loaded: its error still names the graph's file and
+    line (or the --set flag that gave the value), never '<graph>'."""
+    assert main(["run", G, "--out", str(tmp_path / "o"), "--set", "data.holdout=100000"]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith(f"{G}: --set data.holdout=100000: error at data.holdout"), first
+    graph = tmp_path / "g.toml"
+    text = Path(G).read_text().replace('"tiny/', f'"{(Path(G).parent / "tiny").resolve()}/')
+    graph.write_text(text.replace("holdout = 50 ", "holdout = 100000 ", 1))
+    line = next(i for i, ln in enumerate(graph.read_text().splitlines(), 1) if ln.startswith("holdout = 100000"))
+    assert main(["run", str(graph), "--out", str(tmp_path / "o")]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith(f"{graph}:{line}: error at data.holdout"), first
+
+
+def test_draw_into_a_missing_directory_names_the_flag(in_repo, tmp_path, capsys):
+    assert main(["draw", G, "-o", str(tmp_path / "no" / "g.svg")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"-o {tmp_path / 'no' / 'g.svg'}: error: its directory") and "error::" not in err
+
+
+def test_a_second_ctrl_c_says_which_checkpoint_is_kept(in_repo, tmp_path, monkeypatch, capsys):
+    """A KeyboardInterrupt out of a step (what a second Ctrl-C raises) stops at once: the message names the step
+    whose checkpoint is on disk, read back, or says that none was saved; never '(if any)'."""
+    from dflash_graph.train.trainer import Trainer
+
+    orig = Trainer.step
+
+    def step(self, i):
+        if i + 1 == stop_at:
+            raise KeyboardInterrupt
+        return orig(self, i)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    for stop_at, said in ((3, "kept the checkpoint of step 2"), (1, "no checkpoint was saved yet")):
+        out = tmp_path / f"stop{stop_at}"
+        code = main(["run", G, "--steps", "4", "--out", str(out), "--no-progress", "--set", "train.eval_every=0",
+                     "--set", "train.checkpoint_every=2", "--set", "dims.seq=64", "--set", "dims.anchors=4"])
+        err = capsys.readouterr().err
+        assert code == 130, err
+        assert said in err and "(if any)" not in err, err
+        # the linear-attention note: the tiny target's kernels are the ones check assumed, so nothing is said
+        assert "reference kernels" not in err and "linear attention" not in err, err
+
+
+def test_kernel_notes_only_for_linear_layers_on_other_kernels():
+    import attrs
+
+    from dflash_graph.models.qwen3_5 import Qwen35Dims, installed_linear_kernels, kernel_notes
+
+    cfg = json.loads((Path(__file__).resolve().parent.parent / "graphs" / "tiny" / "config.json").read_text())
+    here = installed_linear_kernels()
+    other = "fla" if here == "torch" else "torch"
+
+    class M:
+        def __init__(self, dims):
+            self.dims = dims
+
+    d = Qwen35Dims.from_config(cfg)
+    assert kernel_notes({"t": M(attrs.evolve(d, linear_kernels=here))}) == []
+    notes = kernel_notes({"t": M(attrs.evolve(d, linear_kernels=other))})
+    assert len(notes) == 1 and "models.t.linear_kernels" in notes[0]
+    full = attrs.evolve(d, linear_kernels=other, layer_types=("full_attention",) * len(d.layer_types))
+    assert kernel_notes({"t": M(full)}) == []
+
+
+def test_transformers_kernel_fallback_warning_is_dropped():
+    import logging
+
+    from dflash_graph.exec.models import _KernelFallbackNote
+
+    f = _KernelFallbackNote()
+    rec = logging.LogRecord("transformers.integrations.hub_kernels", logging.WARNING, __file__, 1,
+                            "`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation because "
+                            "`flash-linear-attention` is not installed.", None, None)
+    assert f.filter(rec) is False
+    other = logging.LogRecord("transformers", logging.WARNING, __file__, 1, "something else", None, None)
+    assert f.filter(other) is True
