@@ -8,7 +8,8 @@ import re
 import pytest
 
 from dflash_graph.cli.main import main
-from dflash_graph.train.progress import Ema, Progress, acceptance_length
+from dflash_graph.train.metrics import RunStats, Smoothed, acceptance_length
+from dflash_graph.train.progress import Progress
 
 
 def test_one_oom_block_per_distinct_failure(in_repo, capsys):
@@ -71,17 +72,20 @@ def test_no_color_and_pipes_are_plain(in_repo, capsys, monkeypatch):
 def test_acceptance_length_and_smoothing():
     assert acceptance_length([0.0, 1, 1, 1]) == 4.0
     assert acceptance_length([0.3, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
-    e = Ema()
-    assert e.update(7.0) == pytest.approx(7.0)          # bias-corrected: the first value is not pulled to 0
-    assert 0 < e.update(0.0) < 7.0
+    e = Smoothed()
+    assert e.add(7.0) == pytest.approx(7.0)             # bias-corrected: the first value is not pulled to 0
+    assert 0 < e.add(0.0) < 7.0
 
 
 def test_progress_plain_lines_show_smoothed_values(monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     out = io.StringIO()
-    p = Progress(total=4, bar=True, log_every=2, stream=out)    # not a terminal: plain lines despite bar=True
+    stats = RunStats()
+    p = Progress(total=4, stats=stats, bar=True, log_every=2, stream=out)   # not a terminal: plain lines
     for i, loss in enumerate([10.0, 0.0, 0.0, 0.0], 1):
-        p.update({"step": i, "loss": loss, "slot_acc": [0, 1.0, 0.5], "tokens_per_s": 100.0})
+        rec = {"step": i, "loss": loss, "slot_acc": [0, 1.0, 0.5], "tokens_per_s": 100.0}
+        stats.update(rec)
+        p.update(rec)
     p.close()
     lines = out.getvalue().splitlines()
     assert [ln.split(" |")[0] for ln in lines] == ["step 2/4", "step 4/4"]
@@ -98,10 +102,13 @@ def test_progress_rich_bar_on_a_terminal(monkeypatch):
             return True
 
     out = Tty()
-    p = Progress(total=2, bar=True, stream=out)
+    stats = RunStats()
+    p = Progress(total=2, stats=stats, bar=True, stream=out)
     assert p._bar is not None
     for i in (1, 2):
-        p.update({"step": i, "loss": 1.0, "slot_acc": [0, 1.0], "tokens_per_s": 10.0})
+        rec = {"step": i, "loss": 1.0, "slot_acc": [0, 1.0], "tokens_per_s": 10.0}
+        stats.update(rec)
+        p.update(rec)
     p.close()
     text = out.getvalue()
     assert "tau 2.00" in text and "2/2" in text and "#" not in text
@@ -109,8 +116,11 @@ def test_progress_rich_bar_on_a_terminal(monkeypatch):
 
 def test_tensorboard_writes_events(tmp_path):
     pytest.importorskip("tensorboard")
-    p = Progress(total=1, bar=False, stream=io.StringIO(), tensorboard=str(tmp_path / "tb"))
-    p.update({"step": 1, "loss": 1.0, "slot_acc": [0, 0.5], "lr": 1e-3})
+    stats = RunStats()
+    p = Progress(total=1, stats=stats, bar=False, stream=io.StringIO(), tensorboard=str(tmp_path / "tb"))
+    rec = {"step": 1, "loss": 1.0, "slot_acc": [0, 0.5], "lr": 1e-3}
+    stats.update(rec)
+    p.update(rec)
     p.close()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 

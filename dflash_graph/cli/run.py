@@ -54,6 +54,21 @@ def cmd_run(args) -> int:
     plan = compile_graph(args.graph, [*args.overrides, *host, *mapped_overrides(args, host)], rewrite=not args.no_rewrite,
                          rules_off=args.rules_off)
     spec = plan.typed.ctx.spec
+    from ..train import rundir
+
+    resume = Path(args.resume) if args.resume else None
+    if resume is not None:
+        # the graph as the run had it (or what --allow-change allows), then, for a finished run, say so before
+        # anything is built and change nothing (exit 0)
+        rundir.check_resume(resume, spec, getattr(args, "allow_change", []))
+        done = rundir.finished(resume, args.steps)
+        if done is not None:
+            if talk:
+                print(done)
+            return 0
+    elif getattr(args, "allow_change", []):
+        raise GraphError(Problem("--allow-change only applies with --resume", Location(None, None, None, "--allow-change"),
+                                 hint="drop --allow-change, or add --resume DIR to continue that run"))
     if talk:
         print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")
         print(render_memory(plan.memory, plan.memory_before))
@@ -74,17 +89,10 @@ def cmd_run(args) -> int:
             return 1
     _allocator_env(plan)
     from ..exec.devices import parse_device_map
-    from ..train import rundir
     from ..train.trainer import RunOptions, Trainer
 
-    resume = Path(args.resume) if args.resume else None
     # --resume DIR continues in DIR; --out names another directory to continue into
     out = Path(args.out) if args.out else resume if resume is not None else Path("runs") / spec.name
-    if resume is not None:
-        rundir.check_resume(resume, spec, getattr(args, "allow_change", []))
-    elif getattr(args, "allow_change", []):
-        raise GraphError(Problem("--allow-change only applies with --resume", Location(None, None, None, "--allow-change"),
-                                 hint="drop --allow-change, or add --resume DIR to continue that run"))
     if not distributed or os.environ.get("LOCAL_RANK", "0") == "0":   # one process per machine readies the directory
         rundir.prepare(out, resume, getattr(args, "overwrite", False))
     opts = RunOptions(out=out, steps=args.steps, resume=resume,
@@ -98,16 +106,19 @@ def cmd_run(args) -> int:
         print(f"dflash-graph: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_LOST)   # a collective still pending in a helper thread would keep the process alive
+    if trainer.finished:   # what `finished` above could not tell (a checkpoint of an older version)
+        if trainer.is_writer:
+            print(rundir.finished_message(resume, trainer.start_step, resume / "checkpoint"))
+        return 0
     if getattr(args, "tensorboard", None) and trainer.is_writer:
         from ..train.progress import Progress
 
-        trainer.progress = Progress(trainer.steps, trainer.start_step, bar=not args.no_progress,
+        trainer.progress = Progress(trainer.steps, trainer.stats, trainer.start_step, bar=not args.no_progress,
                                     log_every=int(trainer.cfg["log_every"]), tensorboard=args.tensorboard)
     if trainer.is_writer:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            rundir.record(out, spec, sys.argv, args.overrides,
-                          resumed=resume is not None and resume.resolve() == out.resolve())
+            rundir.record(out, spec, sys.argv, args.overrides, trainer.steps, resume, trainer.start_step)
         except OSError as e:   # a full disk or an unwritable --out: where, what is kept, what to do (exit 2)
             from ..train.trainer import WriteFailed
 

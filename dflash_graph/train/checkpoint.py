@@ -269,15 +269,25 @@ def candidates(dirpath: Path) -> list[Path]:
     return out
 
 
-def newest_complete(dirpath: Path) -> tuple[int, Path] | None:
-    """The newest checkpoint on disk that is complete (manifest and file sizes; not hashed): its step and directory."""
+def newest_state(dirpath: Path) -> tuple[dict, Path] | None:
+    """The newest checkpoint on disk that is complete (manifest and file sizes; not hashed): its state.json and
+    directory."""
     for ck in candidates(dirpath):
         if verify(ck, hashes=False) is None:
             try:
-                return int(json.loads((ck / "state.json").read_text())["step"]), ck
+                state = json.loads((ck / "state.json").read_text())
+                int(state["step"])
+                return state, ck
             except (ValueError, KeyError, TypeError, OSError):
                 continue
     return None
+
+
+def newest_complete(dirpath: Path) -> tuple[int, Path] | None:
+    """The newest checkpoint on disk that is complete (not hashed): its step and directory."""
+    found = newest_state(dirpath)
+    return None if found is None else (int(found[0]["step"]), found[1])
+
 
 
 def is_checkpoint(d: Path) -> bool:

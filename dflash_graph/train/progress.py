@@ -5,7 +5,8 @@ accuracy (bias-corrected as in Adam, so the first steps are not pulled towards 0
 of tokens accepted per draft block computed from the smoothed slot accuracies: tau = 1 + sum_k prod_{j<=k} a_j
 over the block's predicted slots 1..B-1 (slot 0 is the anchor itself, and the 1 is the token the verifier adds).
 This is the acceptance length DFlash reports, under the usual assumption that each slot is accepted
-independently given the ones before it are.
+independently given the ones before it are. The averages are the run's (train/metrics.py, RunStats), which
+every checkpoint keeps: a resumed run's line goes on from where the interrupted one was.
 
 Plain lines (every `log_every` steps and at the last) are printed when the bar is off (--no-progress), when
 stdout is not a terminal, when NO_COLOR is set, or when rich is not installed.
@@ -16,40 +17,18 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
 
 from ..units import fmt_bytes
-
-SMOOTHING = 0.1     # weight of the newest step in the moving averages (about the last 10 steps)
-
-
-def acceptance_length(slot_acc: Sequence[float]) -> float:
-    """tau from per-slot accuracies (slot 0 is the anchor and is skipped)."""
-    tau, run = 1.0, 1.0
-    for a in slot_acc[1:]:
-        run *= max(0.0, min(1.0, float(a)))
-        tau += run
-    return tau
-
-
-class Ema:
-    def __init__(self, beta: float = 1 - SMOOTHING):
-        self.beta, self.value, self.n = beta, 0.0, 0
-
-    def update(self, x: float) -> float:
-        self.n += 1
-        self.value = self.beta * self.value + (1 - self.beta) * float(x)
-        return self.value / (1 - self.beta ** self.n)
+from .metrics import RunStats
 
 
 class Progress:
-    def __init__(self, total: int, start: int = 0, bar: bool = True, log_every: int = 1,
+    def __init__(self, total: int, stats: RunStats, start: int = 0, bar: bool = True, log_every: int = 1,
                  tensorboard: str | None = None, stream=None):
         self.total, self.start, self.log_every = total, start, max(int(log_every), 1)
+        self.stats = stats          # the run's smoothed values: the trainer updates them, this shows them
         self.stream = sys.stdout if stream is None else stream
         self.t0 = time.perf_counter()
-        self.loss = Ema()
-        self.slots: list[Ema] = []
         self._bar = None
         if bar and self._rich_ok():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, \
@@ -85,17 +64,14 @@ class Progress:
         return True
 
     def update(self, rec: dict) -> str:
-        """Take one step's metrics record; show it; return the line."""
+        """Show one step's metrics record (after self.stats took it); return the line."""
         if rec.get("skipped"):     # a non-finite step: the trainer says so (note); the averages leave it out
             if self._bar is not None:
                 self._bar.update(self._task, completed=rec["step"])
             return f"skipped: {rec['skipped']}"
-        loss = self.loss.update(rec["loss"])
-        acc = rec.get("slot_acc") or []
-        while len(self.slots) < len(acc):
-            self.slots.append(Ema())
-        smooth = [e.update(a) for e, a in zip(self.slots, acc)]
-        tau = acceptance_length(smooth) if smooth else float("nan")
+        loss = self.stats.loss.value
+        tau = self.stats.tau
+        tau = float("nan") if tau is None else tau
         step = rec["step"]
         done = step - self.start
         left = self.total - step

@@ -2,12 +2,22 @@
 
 - A directory that already holds a run (metrics, checkpoints or run.json) is refused unless `--resume` continues
   it or `--overwrite` replaces it: a rerun never silently overwrites a finished run.
-- `run.json` records the command line, the graph file and `--set` flags, and the resolved graph (the whole
-  document with the flags applied and config.json files read in) of the run, and each resume after it.
+- `run.json` records the command line, the graph file and `--set` flags, the resolved graph (the whole
+  document with the flags applied and config.json files read in) and the steps of the run, and each resume
+  after it (a resume into another --out copies the record it continues).
 - A resume compares the resolved graph it is given with the one recorded: any difference is refused, naming
   each path with its old and new value, except the keys in ALWAYS_OK and the memory figures (devices' capacity
   and outside_allocator, [memory] host_memory: they change no state a checkpoint holds)
   and those in WITH_FLAG when `--allow-change KEY` names them (safe to change mid-run, but a different run).
+
+NOTE [What a resume continues]: a run's length and learning-rate schedule are fixed when it starts: --steps
+(else train.steps) steps, and the schedule (warmup, then cosine to 10% of train.lr) over as many. Each checkpoint
+records both ("steps", "schedule_steps" in state.json), with the run's smoothed values (train/metrics.py,
+RunStats), and a resume takes them from it, not from the graph: a resumed run's per-step losses, lr and smoothed
+loss are the uninterrupted run's. `--steps N` on a resume is the one way to change the length (a changed
+train.steps is refused, pointing to it): N above the steps done trains to N (past the schedule's end, at the lr
+it ends at: no jump), N equal to them is a finished run, N below them is refused. A resume of a finished run
+changes nothing and exits 0 (`finished`).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from ..errors import GraphError, Location, Problem, short
 RUN_FILE = "run.json"
 # what a run writes into its directory (and --overwrite removes)
 OWNED = ("metrics.jsonl", "memory.json", RUN_FILE, "checkpoint", "checkpoints", ".checkpoint.old")
-ALWAYS_OK = frozenset({"train.steps", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+ALWAYS_OK = frozenset({"train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                        "train.max_nonfinite_steps", "graph.description"})
 WITH_FLAG = frozenset({"train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip"})
 
@@ -106,22 +116,85 @@ def _jsonable(doc: Any) -> Any:
     return json.loads(json.dumps(doc, default=str))
 
 
-def record(out: Path, spec, argv: Sequence[str], overrides: Sequence[str], resumed: bool) -> None:
-    """Write (or, on resume, extend) run.json."""
+def record(out: Path, spec, argv: Sequence[str], overrides: Sequence[str], steps: int,
+           resume: Path | None = None, start: int = 0) -> None:
+    """Write run.json, or on a resume extend the record of the run it continues (`resume`'s run.json, also when
+    it is another directory than `out`) with this invocation: its command, graph, steps and the step it
+    started from."""
     graph = str(Path(spec.file).resolve()) if spec.file else None      # eval and export rebuild the graph from it
     entry = {"argv": list(argv), "cwd": os.getcwd(), "graph": graph, "overrides": list(overrides),
-             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    path = out / RUN_FILE
-    if resumed and path.exists():
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": steps}
+    if resume is not None:
         try:
-            run = json.loads(path.read_text())
-        except ValueError:
+            run = json.loads((resume / RUN_FILE).read_text())
+        except (OSError, ValueError):
             run = None
         if isinstance(run, dict):
-            run.setdefault("resumes", []).append({**entry, "resolved": _jsonable(spec.resolved)})
-            write_json(path, run)
+            here = {"from_step": start}
+            if resume.resolve() != out.resolve():
+                here["from_dir"] = str(resume)
+            run.setdefault("resumes", []).append({**entry, **here, "resolved": _jsonable(spec.resolved)})
+            write_json(out / RUN_FILE, run)
             return
-    write_json(path, {**entry, "resolved": _jsonable(spec.resolved)})
+    write_json(out / RUN_FILE, {**entry, "resolved": _jsonable(spec.resolved)})
+
+
+def resumed_steps(resume: Path, state: dict, flag: int | None, default: int) -> tuple[int, int, str | None]:
+    """What a resume from the checkpoint `state` trains to (NOTE [What a resume continues]): (steps,
+    schedule_steps, a note for the user or None). `flag`: --steps; `default`: train.steps, for a checkpoint of
+    an older version, which did not record the run's steps."""
+    done = int(state["step"])
+    recorded = state.get("steps")
+    note = None
+    if recorded is None:
+        steps = schedule = flag if flag is not None else default
+        how = "--steps" if flag is not None else "train.steps"
+        note = (f"{resume}: the checkpoint of step {done} does not record its run's steps (an older version wrote "
+                f"it): training to step {steps} ({how}), the learning rate on a schedule over {steps} steps")
+    else:
+        recorded = int(recorded)
+        schedule = int(state.get("schedule_steps") or recorded)
+        steps = flag if flag is not None else recorded
+        if steps != recorded and steps > done:
+            note = (f"--steps {steps}: the run was to train {recorded} steps and now trains {steps}; " +
+                    (f"steps {max(schedule, done) + 1}-{steps} keep the learning rate its schedule ends at "
+                     f"(10% of train.lr; the schedule was fixed over {schedule} steps when the run started)"
+                     if steps > schedule else f"its learning-rate schedule stays the one over {schedule} steps"))
+    if steps < done:
+        what = f"--steps {steps}" if flag is not None else f"train.steps = {steps}"
+        raise GraphError(Problem(f"{what} is below the {done} steps {resume} has already trained",
+                                 Location(None, None, None, what),
+                                 expected=f"more than {done} steps", actual=str(steps),
+                                 hint=f"a run cannot be shortened below its checkpoint: --steps N with N above {done} "
+                                      "trains it further" + ("" if recorded is None else
+                                                             f"; without --steps it trains to its {recorded} steps")))
+    return steps, schedule, note
+
+
+def finished_message(resume: Path, done: int, ck: Path) -> str:
+    """What a resume of a finished run says (exit 0; nothing is written)."""
+    export = "" if (resume / "export").is_dir() else (
+        f"\n  its export is missing: dflash-graph export {resume} --out {resume / 'export'}")
+    return (f"{resume}: the run is finished ({done} of {done} steps; checkpoint {ck}): nothing to do, nothing was "
+            f"changed\n  to train it further: --resume {resume} --steps N, with N above {done}{export}")
+
+
+def finished(resume: Path, flag: int | None) -> str | None:
+    """Before anything is built: the message for a resume of a finished run (its newest checkpoint, verified, is
+    at the run's last step, or at --steps), else None (the trainer resumes, or says why it cannot). A --steps
+    below the steps done is refused here too."""
+    from . import checkpoint
+
+    found = checkpoint.newest_state(resume)
+    if found is None:
+        return None
+    state, ck = found
+    if state.get("steps") is None and flag is None:     # an older checkpoint: the trainer decides from train.steps
+        return None
+    steps, _, _ = resumed_steps(resume, state, flag, 0)
+    if steps > int(state["step"]) or checkpoint.verify(ck) is not None:
+        return None                                     # (the trainer falls back past a corrupted one, naming it)
+    return finished_message(resume, int(state["step"]), ck)
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -182,6 +255,8 @@ def check_resume(resume: Path, spec, allow: Sequence[str]) -> None:
     for k in diffs:
         old_v, new_v = a.get(k, "<absent>"), b.get(k, "<absent>")
         hint = (f"allow it with --allow-change {k}" if k in WITH_FLAG else
+                f"a resume takes the run's steps from its checkpoint; to train it to {short(new_v)} steps, keep "
+                f"train.steps as it was and pass --steps {short(new_v)}" if k == "train.steps" else
                 "this changes what the checkpoint holds; resume with the graph and --set flags the run used "
                 "(recorded in run.json), or start a new run")
         problems.append(Problem(f"--resume {resume}: {k} was {short(old_v)} in the run, is {short(new_v)} now",

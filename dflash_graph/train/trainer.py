@@ -55,8 +55,8 @@ from ..rewrite.pipeline import Plan
 from . import checkpoint
 from ..spec.paths import require_paths
 from .data import PackedData, load_data
-from .metrics import acceptance, json_line
-from .rundir import write_json
+from .metrics import RunStats, acceptance, json_line
+from .rundir import resumed_steps, write_json
 
 
 @attrs.define
@@ -98,11 +98,13 @@ def _data_sources(typed) -> list:
     return [n for n in typed.graph.nodes if not n.inputs and registry.get(n.op).traits.pure is False]
 
 
-def _metrics_through(path: Path, step: int) -> None:
+def _metrics_through(path: Path, step: int, dst: Path | None = None) -> None:
     """On resume from the checkpoint of `step`, keep metrics.jsonl's records of steps 1..step: the records past it
     (steps a killed run computed after its last checkpoint) are computed again, and a line a kill cut short is not
-    JSON. Rewritten to a temporary and renamed over, so a kill here leaves the old file or the new one."""
-    for stale in path.parent.glob(f".{path.name}.tmp*"):   # what a kill during an earlier rewrite left
+    JSON. Rewritten to a temporary and renamed over, so a kill here leaves the old file or the new one. `dst`: the
+    metrics.jsonl of another --out the run continues in (the resumed directory's file is left as it is)."""
+    dst = path if dst is None else dst
+    for stale in dst.parent.glob(f".{dst.name}.tmp*"):   # what a kill during an earlier rewrite left
         stale.unlink(missing_ok=True)
     kept, torn = [], 0
     for ln in path.read_text().splitlines():
@@ -118,12 +120,12 @@ def _metrics_through(path: Path, step: int) -> None:
     if torn:
         print(f"note: {path}: dropped {torn} line(s) that are not complete JSON (a run killed while writing them)",
               file=sys.stderr)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write("".join(ln + "\n" for ln in kept))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(tmp, dst)
 
 
 class Stop(Exception):
@@ -228,7 +230,9 @@ class Trainer:
         spec = typed.ctx.spec
         require_paths(spec, "run")      # every file the graph names, each with its line, before any work
         self.cfg = dict(spec.train)
-        self.steps = opts.steps if opts.steps is not None else int(self.cfg["steps"])
+        # NOTE [What a resume continues]: a fresh run trains --steps (else train.steps) steps on a schedule over
+        # as many; a resume takes both from its checkpoint (below)
+        self.steps = self.schedule_steps = opts.steps if opts.steps is not None else int(self.cfg["steps"])
         self.accum = int(self.cfg["grad_accum"])
         self.launch = analyze_launch(typed)
         grads = grad_nodes(typed)
@@ -282,36 +286,41 @@ class Trainer:
         if self.comm is not None:
             self.interp.on_node = self._on_node
         self.params = self.store.trainable_parameters() if self.is_writer else []
-        self.masters, self.opt, self.sched = [], None, None
-        if self.is_writer:
-            betas = tuple(self.cfg["betas"])
-            # NOTE [Trainable memory] (analysis/memory.py): AdamW steps fp32 masters; a non-fp32 module gets its
-            # weights copied back after each step
-            self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)
-                            for p in self.params]
-            self.opt = torch.optim.AdamW(self.masters, lr=float(self.cfg["lr"]), betas=betas,
-                                         weight_decay=float(self.cfg["weight_decay"]))
-            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(self.cfg["warmup_steps"]),
-                                                                                self.steps))
         self.loss_node = next(n.id for n in typed.graph.nodes     # the loss op, or the fused op that replaced it
                               if registry.get(n.op).traits.sink and "loss" in typed.outputs_of(n.id))
         self.start_step = 0
-        if opts.resume is not None and self.is_writer:
-            try:
+        self.stats = RunStats()
+        self.masters, self.opt, self.sched = [], None, None
+        try:
+            ck = None
+            if opts.resume is not None and self.is_writer:
                 state, ck = checkpoint.load(opts.resume)
-                checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator, self.masters)
                 if "batches" not in state.get("data", {}):
                     raise GraphError(Problem(f"{ck} was written by an older dflash-graph (data position as epoch and "
                                              "cursor, before per-replica shards)", None,
                                              hint="start a new run in another --out directory"))
-            except GraphError as e:   # under torchrun the other ranks wait for the step: tell them why there is none
-                if self.comm is None:
-                    raise
-                self.fail(e.problems[0], "cannot resume")
-            self.start_step = int(state["step"])
+                self.start_step = int(state["step"])
+                self.steps, self.schedule_steps, note = resumed_steps(opts.resume, state, opts.steps,
+                                                                      int(self.cfg["steps"]))
+                if note:
+                    print(f"note: {note}", file=sys.stderr, flush=True)
+                if state.get("stats"):
+                    self.stats.load_state_dict(state["stats"])
+            if self.is_writer:
+                self._make_optimizer()
+                if ck is not None:
+                    checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator,
+                                       self.masters)
+                    self._take_allowed_changes()
+        except GraphError as e:   # under torchrun the other ranks wait for the step: tell them why there is none
+            if self.comm is None:
+                raise
+            self.fail(e.problems[0], "cannot resume")
         if self.comm is not None:
-            self.start_step = int(self.comm.broadcast(self.start_step, src=self.writer, what="the step to resume from"))
+            self.start_step, self.steps = self.comm.broadcast((self.start_step, self.steps), src=self.writer,
+                                                              what="the step to resume from")
             self.comm.plan_slots(self.start_step, self.steps, self.accum, R)
+        self.finished = self.start_step >= self.steps    # a resume of a finished run: run() changes nothing
         for shard in self.shards.values():
             shard.skip(self.start_step * self.accum)
         self.tokens_per_step = self._seq_len() * R * self.accum
@@ -322,10 +331,35 @@ class Trainer:
         self._step_now = self.start_step
         self._stop_requested = False
         self.max_nonfinite = int(self.cfg.get("max_nonfinite_steps") or 3)
-        self._bad_steps: list[tuple[int, str, float, float]] = []
         from .summary import RunSummary
 
-        self.summary = RunSummary(self, int(self.cfg["eval_every"]), int(self.cfg["eval_batches"]), self.seed)
+        self.summary = RunSummary(self, self.stats, int(self.cfg["eval_every"]), int(self.cfg["eval_batches"]),
+                                  self.seed)
+
+    def _make_optimizer(self) -> None:
+        """AdamW over fp32 masters (NOTE [Trainable memory], analysis/memory.py: a non-fp32 module gets its weights
+        copied back after each step), and the learning-rate schedule over the run's schedule_steps."""
+        cfg = self.cfg
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)
+                        for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=float(cfg["lr"]), betas=tuple(cfg["betas"]),
+                                     weight_decay=float(cfg["weight_decay"]))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(cfg["warmup_steps"]),
+                                                                            self.schedule_steps))
+
+    def _take_allowed_changes(self) -> None:
+        """After a checkpoint is restored: the graph's train.lr and train.weight_decay, which the optimizer's and
+        scheduler's saved state would otherwise bring back (rundir.check_resume refuses a change of them unless
+        --allow-change names it), and the lr of the step resumed from under the graph's schedule. Unchanged
+        settings give back exactly the saved values."""
+        lr, wd = float(self.cfg["lr"]), float(self.cfg["weight_decay"])
+        for g in self.opt.param_groups:
+            g["initial_lr"], g["weight_decay"] = lr, wd
+        self.sched.base_lrs = [lr] * len(self.opt.param_groups)
+        lrs = [base * f(self.sched.last_epoch) for base, f in zip(self.sched.base_lrs, self.sched.lr_lambdas)]
+        for g, v in zip(self.opt.param_groups, lrs):
+            g["lr"] = v
+        self.sched._last_lr = lrs
 
     def _seq_len(self) -> int:
         typed = self.plan.typed
@@ -440,6 +474,8 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> int:
         out = self.opts.out
+        if self.finished:
+            return 0
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -447,10 +483,12 @@ class Trainer:
         if self.comm is not None:
             self._write_rank_file()
         metrics_path = out / "metrics.jsonl"
-        mode = "a" if self.opts.resume is not None and metrics_path.exists() else "w"
+        # a resume keeps the records of the steps it continues from, also into another --out
+        resumed = self.opts.resume / "metrics.jsonl" if self.opts.resume is not None else None
+        mode = "a" if resumed is not None and resumed.exists() else "w"
         if self.is_writer and mode == "a":
             try:
-                _metrics_through(metrics_path, self.start_step)
+                _metrics_through(resumed, self.start_step, metrics_path)
             except OSError as e:
                 self.fail(self.write_problem(WriteFailed("metrics.jsonl", metrics_path, e, self.start_step)))
         tr = self.interp.tracker
@@ -503,6 +541,7 @@ class Trainer:
                     ev = self.summary.maybe_eval(step, self.steps)
                     if ev is not None:
                         rec["heldout"] = {k: v for k, v in ev.items() if k != "step"}
+                    self.stats.update(rec)
                     self._write_metrics(fd, rec, metrics_path)
                     self._progress(rec, t_start)
                     if ev is not None:
@@ -550,7 +589,7 @@ class Trainer:
         try:
             if self.is_writer:
                 self._save(step)
-            devices = self._write_memory()
+            devices = self._write_memory(step)
         except WriteFailed as e:
             self.fail(self.write_problem(e))
         except RunFailed as e:
@@ -596,10 +635,10 @@ class Trainer:
 
     def _count_nonfinite(self, step: int, m: dict[str, Any]) -> None:
         if not m.get("skipped"):
-            self._bad_steps.clear()
+            self.stats.streak.clear()
             return
-        self._bad_steps.append((step, m["skipped"], m["loss"], m["grad_norm"]))
-        n, limit = len(self._bad_steps), self.max_nonfinite
+        self.stats.streak.append((step, m["skipped"], m["loss"], m["grad_norm"]))
+        n, limit = len(self.stats.streak), self.max_nonfinite
         good = step - n
         before = f"those of step {good}" if good > 0 else "the initial ones"
         self._note(f"step {step}: skipped, {_what_nonfinite(m['skipped'], m['loss'], m['grad_norm'])}: weights and "
@@ -608,8 +647,8 @@ class Trainer:
         if n < limit:
             return
         out = self.opts.out
-        steps = [s for s, *_ in self._bad_steps]
-        what = ", ".join(f"step {s}: {_what_nonfinite(r, lo, g, short=True)}" for s, r, lo, g in self._bad_steps[-3:])
+        steps = [s for s, *_ in self.stats.streak]
+        what = ", ".join(f"step {s}: {_what_nonfinite(r, lo, g, short=True)}" for s, r, lo, g in self.stats.streak[-3:])
         saved = checkpoint.newest_complete(out)
         kept = _last_good(saved, f"no checkpoint was saved before (train.checkpoint_every = "
                                  f"{int(self.cfg['checkpoint_every'])})")
@@ -711,7 +750,8 @@ class Trainer:
         try:
             checkpoint.save(out, step, self.store.drafters, self.opt, self.sched,
                             {"batches": step * self.accum}, self.interp.generator,
-                            {"graph": self.plan.typed.ctx.spec.name}, self.masters,
+                            {"graph": self.plan.typed.ctx.spec.name, "steps": self.steps,
+                             "schedule_steps": self.schedule_steps, "stats": self.stats.state_dict()}, self.masters,
                             keep=int(self.cfg.get("keep_checkpoints") or 3))
         except checkpoint.NonFiniteWeights as e:
             saved = checkpoint.newest_complete(out)
@@ -738,7 +778,7 @@ class Trainer:
         if getattr(self, "progress", None) is None:
             from .progress import Progress
 
-            self.progress = Progress(self.steps, self.start_step, bar=self.opts.progress,
+            self.progress = Progress(self.steps, self.stats, self.start_step, bar=self.opts.progress,
                                      log_every=int(self.cfg["log_every"]))
         self.progress.update(rec)
 
@@ -786,7 +826,10 @@ class Trainer:
                                                             "measured_reserved_bytes": int(r)}
         return devices, nodes
 
-    def _write_memory(self) -> dict[str, Any]:
+    def _write_memory(self, step: int) -> dict[str, Any]:
+        """memory.json: this invocation's measurement (of steps start_step+1..step) next to the prediction. A
+        resume keeps the earlier invocations' measurements in it ("earlier", newest first), and an invocation
+        that ran no step writes nothing: a measurement is never replaced by a lesser one."""
         devices, nodes = self._local_memory()
         if self.comm is not None:
             gathered = self.comm.gather((devices, nodes), dst=self.writer)
@@ -802,9 +845,19 @@ class Trainer:
                                "processes": 1 if self.comm is None else self.comm.world,
                                "measured_with": "torch.cuda.max_memory_allocated/reserved" if tr is None else
                                "live tensor storages per logical device (exec/memtrack.py, as torch's MemTracker)",
+                               "measured_steps": [self.start_step + 1, step],
                                "devices": {d: devices[d] for d in self.plan.memory.devices if d in devices},
                                "nodes": nodes}
+        if step <= self.start_step:
+            return out["devices"]
         path = self.opts.out / "memory.json"
+        if self.opts.resume is not None:
+            try:
+                before = json.loads((self.opts.resume / "memory.json").read_text())
+            except (OSError, ValueError):
+                before = None
+            if isinstance(before, dict):
+                out["earlier"] = [{k: v for k, v in before.items() if k != "earlier"}, *before.get("earlier", [])]
         try:
             write_json(path, out)
         except OSError as e:
