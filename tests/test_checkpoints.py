@@ -313,8 +313,10 @@ def _kill_runs_inside_saves(tmp_path: Path, kills: int, steps: int, seed: int) -
         procs.append(_start(_run_cmd(ref, steps, resume=False), tmp_path / "ref.log"))
         done = 0                                 # the newest checkpoint renamed into place
         for i, kind in enumerate(plan):
-            # a kill in the first save would leave no checkpoint to resume from: the first one targets step 2 on
-            target = steps if done == steps else rnd.randint(max(done + 1, 2), min(done + 3, steps))
+            # a kill in the first save would leave no checkpoint to resume from: the first one targets step 2 on;
+            # each leaves steps for the kills after it and for the final resume (a resume of a finished run
+            # changes nothing, train/rundir.py)
+            target = rnd.randint(max(done + 1, 2), min(done + 3, steps - kills + i))
             r, w = os.pipe()
             # timed: the run SIGKILLs itself a random moment within the first quartile of the save durations seen
             # (most saves last longer, so most such kills land inside the save; the rest are reported as outside)

@@ -138,12 +138,12 @@ def test_a_finished_run_is_left_as_it_is(runs):
 
 def test_steps_above_the_run_extend_it_at_the_lr_its_schedule_ends_at(runs, tmp_path):
     """--steps 8 on a finished 6-step run trains steps 7 and 8 at the lr the schedule reached (no jump), says so,
-    and records it; a changed train.steps is refused, pointing to --steps."""
+    and records it; a changed train.steps is refused, pointing to --steps; a changed train.eval_every is not."""
     a = tmp_path / "a"
     shutil.copytree(runs["a"], a, symlinks=True)
     code, _, err = run("--resume", str(a), "--set", "train.steps=400")
     assert code == 2 and "train.steps was 8 in the run, is 400 now" in err and "--steps 400" in err, err
-    code, _, err = run("--resume", str(a), "--steps", "8")
+    code, _, err = run("--resume", str(a), "--steps", "8", "--set", "train.eval_every=4")   # (no step's result)
     assert code == 0, err
     recs = records(a)
     assert [r["step"] for r in recs] == list(range(1, 9))

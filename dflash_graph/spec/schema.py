@@ -129,9 +129,12 @@ NODE = Section("nodes[]", "One node of the graph (an array of tables: `[[nodes]]
 ))
 
 TRAIN = Section("train", "Training settings for `dflash-graph run`.", (
-    Key("steps", "int", "Optimizer steps (at least 1).", default=100, low=1, high=10**9),
+    Key("steps", "int", "Optimizer steps (at least 1; `run --steps` overrides it). The learning-rate schedule ends "
+        "at the run's last step; a resume takes the run's steps from its checkpoint, and only `--steps` changes "
+        "them.", default=100, low=1, high=10**9),
     Key("lr", "float", "Peak learning rate (AdamW), above 0 and at most 1.", default=3e-4, low=0, open_low=True, high=1),
-    Key("warmup_steps", "int", "Linear warmup steps.", default=10, low=0, high=10**9),
+    Key("warmup_steps", "int", "Linear warmup steps; then a cosine down to 10% of lr at the run's last step.",
+        default=10, low=0, high=10**9),
     Key("weight_decay", "float", "AdamW weight decay.", default=0.0, low=0, high=10),
     Key("betas", "list[float]", "AdamW betas: two numbers in [0, 1).", default=[0.9, 0.95], low=0, high=1,
         open_high=True),

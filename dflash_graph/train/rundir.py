@@ -36,8 +36,9 @@ from ..errors import GraphError, Location, Problem, short
 RUN_FILE = "run.json"
 # what a run writes into its directory (and --overwrite removes)
 OWNED = ("metrics.jsonl", "memory.json", RUN_FILE, "checkpoint", "checkpoints", ".checkpoint.old")
+# what changes no step's result (held-out evaluation draws from its own generator and leaves the model as it was)
 ALWAYS_OK = frozenset({"train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
-                       "train.max_nonfinite_steps", "graph.description"})
+                       "train.max_nonfinite_steps", "train.eval_every", "train.eval_batches", "graph.description"})
 WITH_FLAG = frozenset({"train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip"})
 
 
