@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from dflash_graph.cli.main import main
+from dflash_graph.train import checkpoint
 from dflash_graph.train import trainer as trainer_mod
 from dflash_graph.train.metrics import RunStats
 
@@ -31,15 +32,29 @@ SETS = ["dims.seq=64", "dims.anchors=4", "train.warmup_steps=2", "train.log_ever
 TRAINING_FIELDS = ("step", "loss", "slot_acc", "acc", "tau", "slot_accept", "lr", "grad_norm", "heldout")
 
 
-def run(*argv: str, interrupt_at: int | None = None) -> tuple[int, str, str]:
+def run(*argv: str, interrupt_at: int | None = None, nan_at=()) -> tuple[int, str, str]:
     """`dflash-graph run graphs/tiny.toml` in this process: (exit status, stdout, stderr). interrupt_at: Ctrl-C
-    (a SIGINT to this process) while that step runs."""
+    (a SIGINT to this process) while that step runs; nan_at: steps whose loss is NaN."""
     orig = trainer_mod.Trainer.step
 
     def step(self, s):
         if s + 1 == interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)
-        return orig(self, s)
+        if s + 1 not in nan_at:
+            return orig(self, s)
+        run_replica = self.interp.run_replica
+
+        def poisoned(*a, **k):
+            res = run_replica(*a, **k)
+            if self.loss_node in res:
+                res[self.loss_node]["loss"] = res[self.loss_node]["loss"] * float("nan")
+            return res
+
+        self.interp.run_replica = poisoned
+        try:
+            return orig(self, s)
+        finally:
+            del self.interp.run_replica
 
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -216,3 +231,42 @@ def test_held_out_tau_says_why_it_was_not_measured():
     assert "not measured (set [train] eval_every)" in summary(50, 0)
     assert "not measured (set [data] holdout: the held-out split is empty)" in summary(0, 10)
     assert "not under torchrun" in summary(50, 10, comm=object())
+
+
+def test_non_finite_steps_in_a_row_are_counted_across_a_resume(tmp_path):
+    """train.max_nonfinite_steps = 3 and NaN losses at steps 2-4: the uninterrupted run stops at step 4; stopped
+    by Ctrl-C at step 3 (two skips in a row in its checkpoint) and resumed, it stops at step 4 too, naming the
+    same steps and the same weights."""
+    sets = ["--steps", "6", "--set", "train.max_nonfinite_steps=3", "--set", "train.checkpoint_every=1"]
+    code, _, want = run(*sets, "--out", str(tmp_path / "a"), nan_at={2, 3, 4})
+    assert code == 2 and "steps 2-4: the loss or gradient norm was not finite in 3 steps in a row" in want, want
+    b = tmp_path / "b"
+    code, _, err = run(*sets, "--out", str(b), nan_at={2, 3, 4}, interrupt_at=3)
+    assert code == 130, err
+    code, _, err = run("--resume", str(b), nan_at={4})
+    assert code == 2 and "Traceback" not in err, err
+    assert "steps 2-4: the loss or gradient norm was not finite in 3 steps in a row" in err, err
+    assert "the weights are those of step 1" in err and "the weights are those of step 1" in want
+    assert training(records(b)) == training(records(tmp_path / "a"))
+
+
+def test_a_checkpoint_that_does_not_record_its_steps(runs, tmp_path):
+    """A checkpoint written before runs recorded their steps: the resume trains to train.steps and says so;
+    --steps equal to its step finds it finished."""
+    a = tmp_path / "a"
+    shutil.copytree(runs["a"], a, symlinks=True)
+    ck = (a / "checkpoint").resolve()
+    state = json.loads((ck / "state.json").read_text())
+    for k in ("steps", "schedule_steps", "stats"):
+        del state[k]
+    (ck / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["state.json"] = {"bytes": (ck / "state.json").stat().st_size,
+                                       "sha256": checkpoint._sha256(ck / "state.json")}
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    code, stdout, _ = run("--resume", str(a), "--steps", "6")
+    assert code == 0 and "the run is finished (6 of 6 steps" in stdout
+    code, _, err = run("--resume", str(a))
+    assert code == 0, err
+    assert "does not record its run's steps (an older version wrote it): training to step 8 (train.steps)" in err
+    assert [r["step"] for r in records(a)] == list(range(1, 9))
