@@ -270,3 +270,19 @@ def test_a_checkpoint_that_does_not_record_its_steps(runs, tmp_path):
     assert code == 0, err
     assert "does not record its run's steps (an older version wrote it): training to step 8 (train.steps)" in err
     assert [r["step"] for r in records(a)] == list(range(1, 9))
+
+
+def test_a_resume_under_torchrun_trains_to_the_runs_steps(runs, tmp_path):
+    """Every rank trains to the run's steps, which only the writer reads from the checkpoint (it tells the others):
+    the one-process run stopped at step 3 of 6, resumed under torchrun without --steps, ends at step 6 with the
+    uninterrupted run's losses (to float rounding across processes) and its lr."""
+    from test_distributed import torchrun
+
+    b3 = tmp_path / "b3"
+    shutil.copytree(runs["b3"], b3, symlinks=True)
+    code, text = torchrun(3, ["graphs/tiny.toml", "--resume", str(b3), *(x for s in SETS for x in ("--set", s))])
+    assert code == 0, text
+    got, want = records(b3), records(runs["a"])
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]) and g["lr"] == w["lr"], (g, w)
