@@ -128,6 +128,7 @@ def test_the_resume_is_recorded_and_keeps_the_earlier_measurement(runs):
     rec = json.loads((b / "run.json").read_text())
     assert rec["steps"] == 6 and len(rec["resumes"]) == 1
     assert rec["resumes"][0]["steps"] == 6 and rec["resumes"][0]["from_step"] == 3
+    assert rec["run_with"] == rec["resumes"][0]["run_with"] == {"rewrite": True, "without_rule": [], "device_map": []}
     mem = json.loads((b / "memory.json").read_text())
     assert mem["measured_steps"] == [4, 6]
     assert [e["measured_steps"] for e in mem["earlier"]] == [[1, 3]]
@@ -286,3 +287,17 @@ def test_a_resume_under_torchrun_trains_to_the_runs_steps(runs, tmp_path):
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     for g, w in zip(got, want):
         assert abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]) and g["lr"] == w["lr"], (g, w)
+
+
+def test_a_resume_run_otherwise_says_its_losses_may_differ(tmp_path):
+    """--no-rewrite, --without-rule or --device-map other than the invocation before: allowed (the same
+    computation), with a note that the losses may differ in the last digits; the same flags: no note."""
+    from dflash_graph.train import rundir
+
+    before = rundir.how_run(False, [], [])
+    (tmp_path / "run.json").write_text(json.dumps({"run_with": before, "resumes": [{"run_with": before}]}))
+    assert rundir.changed_flags(tmp_path, before) == []
+    notes = rundir.changed_flags(tmp_path, rundir.how_run(True, ["fuse_head_loss"], ["cuda:*=cpu"]))
+    assert len(notes) == 3 and all("may differ from an uninterrupted run's in the last digits" in n for n in notes)
+    assert "the run ran rewritten, this resume as written (--no-rewrite)" in notes[0]
+    assert "this resume --without-rule fuse_head_loss" in notes[1] and "--device-map cuda:*=cpu" in notes[2]

@@ -66,6 +66,10 @@ def cmd_run(args) -> int:
             if talk:
                 print(done)
             return 0
+    flags = rundir.how_run(args.no_rewrite, args.rules_off, args.device_map)
+    if resume is not None and talk:
+        for note in rundir.changed_flags(resume, flags):
+            print(f"note: {note}", file=sys.stderr)
     elif getattr(args, "allow_change", []):
         raise GraphError(Problem("--allow-change only applies with --resume", Location(None, None, None, "--allow-change"),
                                  hint="drop --allow-change, or add --resume DIR to continue that run"))
@@ -118,7 +122,7 @@ def cmd_run(args) -> int:
     if trainer.is_writer:
         try:
             out.mkdir(parents=True, exist_ok=True)
-            rundir.record(out, spec, sys.argv, args.overrides, trainer.steps, resume, trainer.start_step)
+            rundir.record(out, spec, sys.argv, args.overrides, trainer.steps, resume, trainer.start_step, flags)
         except OSError as e:   # a full disk or an unwritable --out: where, what is kept, what to do (exit 2)
             from ..train.trainer import WriteFailed
 

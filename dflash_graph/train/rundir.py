@@ -118,13 +118,13 @@ def _jsonable(doc: Any) -> Any:
 
 
 def record(out: Path, spec, argv: Sequence[str], overrides: Sequence[str], steps: int,
-           resume: Path | None = None, start: int = 0) -> None:
+           resume: Path | None = None, start: int = 0, flags: Mapping[str, Any] | None = None) -> None:
     """Write run.json, or on a resume extend the record of the run it continues (`resume`'s run.json, also when
-    it is another directory than `out`) with this invocation: its command, graph, steps and the step it
-    started from."""
+    it is another directory than `out`) with this invocation: its command, graph, steps, the step it started
+    from, and `flags` (how_run: what of the command line shapes how the graph runs)."""
     graph = str(Path(spec.file).resolve()) if spec.file else None      # eval and export rebuild the graph from it
     entry = {"argv": list(argv), "cwd": os.getcwd(), "graph": graph, "overrides": list(overrides),
-             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": steps}
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steps": steps, **({"run_with": dict(flags)} if flags else {})}
     if resume is not None:
         try:
             run = json.loads((resume / RUN_FILE).read_text())
@@ -138,6 +138,34 @@ def record(out: Path, spec, argv: Sequence[str], overrides: Sequence[str], steps
             write_json(out / RUN_FILE, run)
             return
     write_json(out / RUN_FILE, {**entry, "resolved": _jsonable(spec.resolved)})
+
+
+def how_run(no_rewrite: bool, rules_off: Sequence[str], device_map: Sequence[str]) -> dict[str, Any]:
+    """The flags that change how the graph runs, though not what it computes: the rewrites (proven to compute the
+    same, but in another order, so rounded differently) and the devices. run.json records them."""
+    return {"rewrite": not no_rewrite, "without_rule": sorted(rules_off), "device_map": list(device_map)}
+
+
+def changed_flags(resume: Path, flags: Mapping[str, Any]) -> list[str]:
+    """Notes for a resume run otherwise than the invocation before it (how_run): allowed, but its losses may
+    then differ from the uninterrupted run's in the last digits."""
+    try:
+        run = json.loads((resume / RUN_FILE).read_text())
+        before = (run.get("resumes") or [run])[-1].get("run_with")
+    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        return []
+    if not isinstance(before, dict):
+        return []
+
+    def said(k: str, v: Any) -> str:
+        if k == "rewrite":
+            return "rewritten" if v else "as written (--no-rewrite)"
+        flag = "--without-rule" if k == "without_rule" else "--device-map"
+        return " ".join(f"{flag} {x}" for x in v) if v else f"without {flag}"
+
+    return [f"--resume {resume}: the run ran {said(k, before[k])}, this resume {said(k, v)}: the same computation, "
+            "rounded differently, so its losses may differ from an uninterrupted run's in the last digits"
+            for k, v in flags.items() if k in before and before[k] != v]
 
 
 def resumed_steps(resume: Path, state: dict, flag: int | None, default: int) -> tuple[int, int, str | None]:
