@@ -359,7 +359,6 @@ class Trainer:
         lrs = [base * f(self.sched.last_epoch) for base, f in zip(self.sched.base_lrs, self.sched.lr_lambdas)]
         for g, v in zip(self.opt.param_groups, lrs):
             g["lr"] = v
-        self.sched._last_lr = lrs
 
     def _seq_len(self) -> int:
         typed = self.plan.typed
