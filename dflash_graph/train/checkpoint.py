@@ -289,7 +289,6 @@ def newest_complete(dirpath: Path) -> tuple[int, Path] | None:
     return None if found is None else (int(found[0]["step"]), found[1])
 
 
-
 def is_checkpoint(d: Path) -> bool:
     """`d` is one checkpoint (a step directory, or the `checkpoint` link to one), not a run directory."""
     return (d / "manifest.json").is_file() or (d / "state.json").is_file()
