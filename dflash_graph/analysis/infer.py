@@ -14,7 +14,7 @@ import attrs
 import immutables
 
 from ..errors import GraphError, Location, Problem, did_you_mean, short
-from ..ir.dims import MAX_DIM, DimEnv, DimError
+from ..ir.dims import MAX_DIM, DimEnv, DimError, IntPoly
 from ..ir.graph import CycleError, Graph, Node, Ref
 from ..ir.types import Dim, TensorType
 from ..models.registry import ARCHS
@@ -837,7 +837,7 @@ def _bind_ctx(p: Mapping[str, Any], model: ModelInfo | None, ctx: GraphContext) 
             return ctx.env.ref(model.spec.name, key) if not isinstance(model.config[key], str) else ctx.env.eval_text(model.config[key])
         v = getattr(model.dims, key)
         alias = ctx.env.alias_of_ref.get(f"{model.spec.name}.{key}")
-        return ctx.env.get(alias) if alias else (__import__("sympy").Integer(v), v)
+        return ctx.env.get(alias) if alias else (IntPoly.of(v), v)
 
     return BindContext(params=p,
                        model_config=model.config if model else None, model_dims=model.dims if model else None,

@@ -16,7 +16,7 @@ import sympy
 from ..analysis.infer import Typed
 from ..analysis.nodecost import cost_context, grad_nodes
 from ..errors import GraphError, Location, Problem, did_you_mean
-from ..ir.dims import symbol
+from ..ir.dims import is_symbolic, symbol
 from ..ir.types import Dim, TensorType
 from ..ops import registry
 from ..ops.costs import program_peak, program_steps
@@ -116,7 +116,7 @@ def explain(plan: Plan, nid: str) -> str:
         out.append(f"  out {p.name:<14} [{p.dims}] {p.dtype}" + (f"  ({p.doc})" if p.doc else ""))
     for p in op.params:
         v = params.get(p.name)
-        v = v[1] if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], sympy.Basic) else v
+        v = v[1] if isinstance(v, tuple) and len(v) == 2 and is_symbolic(v[0]) else v
         raw = node.params.get(p.name, p.default)
         out.append(f"  param {p.name} = {raw!r}" + (f" = {v}" if str(v) != str(raw) else "") + f"  ({p.doc})")
     traits = [f"{k}={v!r}" for k, v in (("positionwise", op.traits.positionwise), ("remap", op.traits.remap),

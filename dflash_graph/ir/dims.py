@@ -1,8 +1,14 @@
 """Named symbolic sizes.
 
 Dims come from `[dims]` (integers or expressions of other dims and of model config values such as
-`target.hidden_size`) and from model configs. Each graph dim is a sympy Symbol with a concrete value;
-expressions stay symbolic so that memory can later be solved for a dim ("largest seq that fits").
+`target.hidden_size`) and from model configs. Each graph dim is a symbol with a concrete value; expressions stay
+symbolic so that memory can later be solved for a dim ("largest seq that fits").
+
+NOTE [Dims without sympy]: the dims of real graphs are sums, products and integer powers of dims (`anchors *
+block`, `vocab - 1`, `5*hidden`): those are `IntPoly` values, exact integer polynomials that print as sympy prints
+the same expression, so `check` does not import sympy (0.5 s of a check's ~1 s of CPU: benchmarks/check_startup.py).
+What an IntPoly cannot hold exactly (`//`, `%`, min(), max() of symbols, a product of two sums) is computed by
+sympy as before, imported then; tests/test_dims.py checks both agree on random expressions.
 """
 
 from __future__ import annotations
@@ -10,10 +16,12 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Callable, Mapping
-
-import sympy
+from typing import TYPE_CHECKING, Any
 
 from ..errors import short as _short
+
+if TYPE_CHECKING:
+    import sympy
 
 _BINOPS: dict[type, Callable] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -40,7 +48,148 @@ def _bounded(v: int, what: str) -> int:
 
 
 def symbol(name: str) -> sympy.Symbol:
+    import sympy
+
     return sympy.Symbol(name, integer=True, positive=True)
+
+
+Monomial = tuple[tuple[str, int], ...]     # ((name, power), ...) sorted by name; () is the constant term
+
+
+class IntPoly:
+    """An integer polynomial in named dims, in the form sympy gives the same sum or product automatically: like
+    terms collected, an integer times a sum distributed, a product of monomials merged. `str()` is sympy's `str()`
+    of that expression. Operations sympy would leave unexpanded (a sum times a symbol or a sum, a sum to a power)
+    return NotImplemented here, and `evaluate` computes them with sympy."""
+
+    __slots__ = ("terms",)
+
+    def __init__(self, terms: Mapping[Monomial, int]):
+        self.terms: dict[Monomial, int] = {m: c for m, c in terms.items() if c}
+
+    @classmethod
+    def of(cls, x: int | str) -> IntPoly:
+        """An integer, or one dim by its name."""
+        return cls({(): x}) if isinstance(x, int) else cls({((x, 1),): 1})
+
+    @property
+    def constant(self) -> int | None:
+        """Its value when it names no dim."""
+        return self.terms.get((), 0) if all(m == () for m in self.terms) else None
+
+    def _single(self) -> bool:
+        return len(self.terms) <= 1
+
+    def is_linear(self) -> bool:
+        return all(len(m) <= 1 and all(k == 1 for _, k in m) for m in self.terms)
+
+    def __add__(self, other: Any) -> IntPoly:
+        if isinstance(other, int) and not isinstance(other, bool):
+            other = IntPoly.of(other)
+        if not isinstance(other, IntPoly):
+            return NotImplemented
+        out = dict(self.terms)
+        for m, c in other.terms.items():
+            out[m] = out.get(m, 0) + c
+        return IntPoly(out)
+
+    __radd__ = __add__
+
+    def __neg__(self) -> IntPoly:
+        return IntPoly({m: -c for m, c in self.terms.items()})
+
+    def __sub__(self, other: Any) -> IntPoly:
+        return self + (-other) if isinstance(other, (int, IntPoly)) and not isinstance(other, bool) else NotImplemented
+
+    def __rsub__(self, other: Any) -> IntPoly:
+        return -self + other
+
+    def __mul__(self, other: Any) -> IntPoly:
+        if isinstance(other, int) and not isinstance(other, bool):
+            other = IntPoly.of(other)
+        if not isinstance(other, IntPoly):
+            return NotImplemented
+        a, b = (other, self) if other.constant is not None else (self, other)
+        if a.constant is not None:        # sympy distributes a number over a sum: 2*(x + y) is 2*x + 2*y
+            return IntPoly({m: a.constant * c for m, c in b.terms.items()})
+        if not (a._single() and b._single()):
+            return NotImplemented          # x*(y + z) stays unexpanded in sympy
+        ((ma, ca),), ((mb, cb),) = a.terms.items(), b.terms.items()
+        powers = dict(ma)
+        for name, k in mb:
+            powers[name] = powers.get(name, 0) + k
+        return IntPoly({tuple(sorted(powers.items())): ca * cb})
+
+    __rmul__ = __mul__
+
+    def __pow__(self, k: Any) -> IntPoly:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            return NotImplemented
+        if k == 0:
+            return IntPoly.of(1)
+        if k == 1:
+            return self
+        if not self._single():
+            return NotImplemented          # (x + y)**2 stays unexpanded in sympy
+        if not self.terms:
+            return self
+        ((m, c),) = self.terms.items()
+        return IntPoly({tuple((name, p * k) for name, p in m): c ** k})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IntPoly) and self.terms == other.terms
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.terms.items()))
+
+    def __str__(self) -> str:
+        # NOTE [sympy's order]: sympy prints a sum's terms in lexicographic order of their exponent vectors over
+        # the symbols sorted by name, largest first (Expr.as_ordered_terms, order='lex'), the constant last, and
+        # a product's factors by name after its coefficient (Mul.as_ordered_factors); a positive number and a
+        # negative multiple of one power of a dim print the number first
+        if not self.terms:
+            return "0"
+        gens = sorted({name for m in self.terms for name, _ in m})
+        pos = {g: i for i, g in enumerate(gens)}
+
+        def vector(m: Monomial) -> tuple[int, ...]:
+            v = [0] * len(gens)
+            for name, k in m:
+                v[pos[name]] = k
+            return tuple(v)
+
+        order = sorted(self.terms.items(), key=lambda t: vector(t[0]), reverse=True)
+        if len(order) == 2 and order[1][0] == () and order[1][1] > 0 and order[0][1] < 0 and len(order[0][0]) == 1:
+            order.reverse()        # sympy's one exception (Expr.as_ordered_terms): `2 - seq`, not `-seq + 2`
+        out = []
+        for m, c in order:
+            body = "*".join(name if k == 1 else f"{name}**{k}" for name, k in m)
+            term = str(c) if not body else body if c == 1 else f"-{body}" if c == -1 else f"{c}*{body}"
+            out.append(term if not out else (f"- {term[1:]}" if term.startswith("-") else f"+ {term}"))
+        return " ".join(out)
+
+    __repr__ = __str__
+
+    def to_sympy(self, make_symbol: Callable[[str], Any] = symbol) -> sympy.Expr:
+        import sympy
+
+        return sympy.Add(*[sympy.Integer(c) * sympy.Mul(*[make_symbol(n) ** k for n, k in m])
+                           for m, c in self.terms.items()])
+
+
+def as_sympy(x: Any, make_symbol: Callable[[str], Any] = symbol) -> sympy.Expr:
+    """A dim's symbolic value as a sympy expression (an IntPoly converted, a sympy expression as it is)."""
+    return x.to_sympy(make_symbol) if isinstance(x, IntPoly) else x
+
+
+def is_symbolic(x: Any) -> bool:
+    """Whether `x` is a dim's symbolic value (an IntPoly or a sympy expression), e.g. in a (symbol, value) pair."""
+    if isinstance(x, IntPoly):
+        return True
+    import sys
+
+    sympy = sys.modules.get("sympy")             # without sympy imported, nothing is a sympy expression
+    return sympy is not None and isinstance(x, sympy.Basic)
 
 
 def parse_expr(text: str) -> ast.expr:
@@ -71,38 +220,68 @@ def names_in(node: ast.expr) -> list[str]:
     return out
 
 
-def evaluate(node: ast.expr, lookup: Callable[[str], tuple[sympy.Expr, int]]) -> tuple[sympy.Expr, int]:
-    """(symbolic, concrete) value of an expression. `lookup(name)` resolves dims and model refs."""
+Symbolic = Any      # an IntPoly, or a sympy expression where an IntPoly cannot hold it (NOTE [Dims without sympy])
+
+
+_EXACT = {operator.add: IntPoly.__add__, operator.sub: IntPoly.__sub__, operator.mul: IntPoly.__mul__,
+          operator.pow: IntPoly.__pow__}
+
+
+def _apply(op: Callable, a: Symbolic, b: Symbolic, make_symbol: Callable[[str], Any]) -> Symbolic:
+    """`op(a, b)` as sympy computes it: on IntPolys when they hold the result exactly, else in sympy."""
+    if isinstance(a, IntPoly) and isinstance(b, IntPoly):
+        method = _EXACT.get(op)
+        r = NotImplemented if method is None else method(a, b.constant if op is operator.pow else b)
+        if r is not NotImplemented:
+            return r
+    return op(as_sympy(a, make_symbol), as_sympy(b, make_symbol))
+
+
+def evaluate(node: ast.expr, lookup: Callable[[str], tuple[Symbolic, int]],
+             make_symbol: Callable[[str], Any] = symbol) -> tuple[Symbolic, int]:
+    """(symbolic, concrete) value of an expression. `lookup(name)` resolves dims and model refs; `make_symbol`
+    makes the sympy symbol of a dim, for the expressions sympy computes."""
     if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
         v = _bounded(node.value, f"the number {node.value}" if node.value < 10**30 else "a number")
-        return sympy.Integer(v), v
+        return IntPoly.of(v), v
     if isinstance(node, ast.Name):
         return lookup(node.id)
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
         return lookup(f"{node.value.id}.{node.attr}")
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        (ls, lv), (rs, rv) = evaluate(node.left, lookup), evaluate(node.right, lookup)
+        (ls, lv), (rs, rv) = evaluate(node.left, lookup, make_symbol), evaluate(node.right, lookup, make_symbol)
         op = _BINOPS[type(node.op)]
         text = ast.unparse(node)
         if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and rv == 0:
             side = ast.unparse(node.right)
             raise DimError(f"division by zero in dim expression: in {text!r}, {side!r} is 0")
-        if isinstance(node.op, ast.FloorDiv):
-            return sympy.floor(ls / rs), _bounded(lv // rv, repr(text))
-        if isinstance(node.op, ast.Mod):
-            return sympy.Mod(ls, rs), lv % rv
+        if isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+            value = _bounded(lv // rv, repr(text)) if isinstance(node.op, ast.FloorDiv) else lv % rv
+            if isinstance(ls, IntPoly) and isinstance(rs, IntPoly) and ls.constant is not None \
+                    and rs.constant is not None:
+                return IntPoly.of(value), value
+            import sympy
+
+            ls, rs = as_sympy(ls, make_symbol), as_sympy(rs, make_symbol)
+            return (sympy.floor(ls / rs) if isinstance(node.op, ast.FloorDiv) else sympy.Mod(ls, rs)), value
         if isinstance(node.op, ast.Pow):
             if rv < 0:
                 raise DimError(f"negative exponent in dim expression {text!r}: sizes are integers")
             # the size of lv ** rv is known from bit lengths before it is computed
             if abs(lv) > 1 and (abs(lv).bit_length() - 1) * rv > MAX_DIM.bit_length():
                 raise DimError(f"{text!r} is over the bound of 2**48 = {MAX_DIM:,} for a size")
-        return op(ls, rs), _bounded(op(lv, rv), repr(text))
+        value = _bounded(op(lv, rv), repr(text))
+        return _apply(op, ls, rs, make_symbol), value
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max") and node.args:
-        vals = [evaluate(a, lookup) for a in node.args]
-        f = sympy.Min if node.func.id == "min" else sympy.Max
+        vals = [evaluate(a, lookup, make_symbol) for a in node.args]
         g = min if node.func.id == "min" else max
-        return f(*[s for s, _ in vals]), g(v for _, v in vals)
+        value = g(v for _, v in vals)
+        if all(isinstance(s, IntPoly) and s.constant is not None for s, _ in vals):
+            return IntPoly.of(value), value
+        import sympy
+
+        f = sympy.Min if node.func.id == "min" else sympy.Max
+        return f(*[as_sympy(s, make_symbol) for s, _ in vals]), value
     raise DimError(f"unsupported dim expression {ast.unparse(node)!r}: use integers, dim names, "
                    "model.config_key, + - * // % ** and min()/max()")
 
@@ -113,7 +292,7 @@ class DimEnv:
     def __init__(self, dims: Mapping[str, object], model_configs: Mapping[str, Mapping[str, object]]):
         self._raw = dict(dims)
         self._models = model_configs
-        self._done: dict[str, tuple[sympy.Expr, int]] = {}
+        self._done: dict[str, tuple[Symbolic, int]] = {}
         self._stack: list[str] = []
         # a graph dim defined exactly as `model.key` names that model value in shapes
         self.alias_of_ref: dict[str, str] = {}
@@ -125,9 +304,9 @@ class DimEnv:
     def names(self) -> list[str]:
         return list(self._raw)
 
-    def get(self, name: str) -> tuple[sympy.Expr, int]:
-        """A graph dim: its Symbol and value."""
-        return symbol(name), self.value(name)
+    def get(self, name: str) -> tuple[Symbolic, int]:
+        """A graph dim: its symbol and value."""
+        return IntPoly.of(name), self.value(name)
 
     def value(self, name: str) -> int:
         if name in self._done:
@@ -142,7 +321,7 @@ class DimEnv:
             if isinstance(raw, bool) or not isinstance(raw, (int, str)):
                 raise DimError(f"dim '{name}' must be an integer or an expression string, got {_short(raw)}")
             if isinstance(raw, int):
-                expr, val = sympy.Integer(raw), _bounded(raw, f"dim '{name}'")
+                expr, val = IntPoly.of(raw), _bounded(raw, f"dim '{name}'")
             else:
                 expr, val = evaluate(parse_expr(raw), self._lookup)
             if val <= 0:
@@ -154,14 +333,14 @@ class DimEnv:
         finally:
             self._stack.pop()
 
-    def ref(self, model: str, key: str) -> tuple[sympy.Expr, int]:
+    def ref(self, model: str, key: str) -> tuple[Symbolic, int]:
         """A model config value as a dim; symbolic when a graph dim is defined as exactly this reference."""
         alias = self.alias_of_ref.get(f"{model}.{key}")
         if alias is not None and alias not in self._stack:
             return self.get(alias)
         return self._raw_ref(model, key)
 
-    def _raw_ref(self, model: str, key: str) -> tuple[sympy.Expr, int]:
+    def _raw_ref(self, model: str, key: str) -> tuple[Symbolic, int]:
         cfg = self._models.get(model)
         if cfg is None:
             raise DimError(f"unknown model '{model}' in dim reference '{model}.{key}'; models: {', '.join(self._models) or '(none)'}")
@@ -173,18 +352,18 @@ class DimEnv:
         if isinstance(v, bool) or not isinstance(v, int):
             raise DimError(f"'{model}.{key}' is {_short(v)}, not an integer size")
         _bounded(v, f"'{model}.{key}'")
-        return sympy.Integer(v), v
+        return IntPoly.of(v), v
 
-    def _lookup(self, name: str) -> tuple[sympy.Expr, int]:
+    def _lookup(self, name: str) -> tuple[Symbolic, int]:
         if "." in name:
             model, key = name.split(".", 1)
             v = self._raw_ref(model, key)[1]
-            return sympy.Integer(v), v
+            return IntPoly.of(v), v
         return self.get(name)
 
-    def eval_text(self, text: str | int) -> tuple[sympy.Expr, int]:
+    def eval_text(self, text: str | int) -> tuple[Symbolic, int]:
         if isinstance(text, int) and not isinstance(text, bool):
-            return sympy.Integer(text), _bounded(text, f"the size {_short(text)}")
+            return IntPoly.of(text), _bounded(text, f"the size {_short(text)}")
         return evaluate(parse_expr(str(text)), self._lookup)
 
     def bindings(self) -> dict[str, int]:

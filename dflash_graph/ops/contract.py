@@ -17,11 +17,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import sympy
 
 from ..ir.types import Dim
 
 if TYPE_CHECKING:
+    import sympy
+
     from .costs import CostContext, NodeCost
 
 Binds = dict[str, "Dim | tuple[Dim, ...]"]
@@ -218,7 +219,8 @@ def tokens(spec: str) -> list[str]:
     return spec.split()
 
 
-def dim_of(expr: sympy.Expr, value: int) -> Dim:
+def dim_of(expr: Any, value: int) -> Dim:
+    """The Dim of a symbolic value (an IntPoly or a sympy expression, ir/dims.py) and its concrete value."""
     return Dim(str(expr).replace(" ", ""), int(value))
 
 
@@ -284,7 +286,7 @@ def evaluate_token(t: str, binds: Binds) -> Dim:
     if t.isdigit():
         return Dim(t, int(t))
     # NOTE [Contract expressions cached]: an expression's dim is a function of its text and of the symbols and
-    # values of the dims it names, and sympy's simplify costs milliseconds: a graph of hundreds of nodes of one
+    # values of the dims it names, and sympy's simplify (where it is needed) costs milliseconds: a graph of hundreds of nodes of one
     # kind (a node block copied 400 times took 4 s to infer) evaluates each expression once per bindings
     key = []
     for name in _names(t):
@@ -303,11 +305,33 @@ def _names(t: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names_in(parse_expr(t))))
 
 
+@functools.lru_cache(maxsize=4096)
+def _poly(sym: str):
+    """A Dim's symbolic text as an IntPoly, or None where it is not an integer polynomial (`floor(seq/2)`)."""
+    from ..ir.dims import DimError, IntPoly, evaluate, parse_expr
+
+    try:
+        expr, _ = evaluate(parse_expr(sym), lambda name: (IntPoly.of(name), 2))
+    except DimError:
+        return None
+    return expr if isinstance(expr, IntPoly) else None
+
+
 @functools.lru_cache(maxsize=65536)
 def _evaluate(t: str, bound: tuple[tuple[str, str, int], ...]) -> Dim:
-    from ..ir.dims import evaluate, parse_expr
+    from ..ir.dims import IntPoly, evaluate, parse_expr
 
     dims = {name: (sym, value) for name, sym, value in bound}
+    # NOTE [Simplified without sympy]: sympy.simplify leaves a monomial (`5*hidden`) and a linear sum (`vocab -
+    # 1`) with integer coefficients as they are (a number times a sum is distributed again, and two terms of
+    # degree 1 share no factor but a number), so those need no sympy; any other result is simplified by sympy
+    # (`a*b - a` becomes `a*(b - 1)`). tests/test_dims.py compares both on random expressions.
+    polys = {name: _poly(sym) for name, (sym, _) in dims.items()}
+    if all(p is not None for p in polys.values()):
+        expr, val = evaluate(parse_expr(t), lambda name: (polys[name], dims[name][1]))
+        if isinstance(expr, IntPoly) and (len(expr.terms) <= 1 or expr.is_linear()):
+            return dim_of(expr, val)
+    import sympy
 
     def lookup(name: str):
         sym, value = dims[name]
