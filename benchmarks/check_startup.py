@@ -8,7 +8,8 @@ Reference rows: a bare `python -c pass` and `python -c "import sympy"`, the floo
     python benchmarks/check_startup.py --importtime graphs/qwen27b.toml   # also: the 15 slowest imports (-X importtime)
     python benchmarks/check_startup.py --compare /path/to/other/checkout   # before/after: runs alternate between them
 
-Each run is `python -m dflash_graph check GRAPH` with this checkout first on PYTHONPATH and OMP_NUM_THREADS=1;
+Each run is `python -m dflash_graph check GRAPH` in this checkout (or the --compare one: `-m` imports the package
+from the working directory), with it first on PYTHONPATH and OMP_NUM_THREADS=1;
 the exit code is printed too (check exits 1 on a predicted OOM, which --no-rewrite of qwen27b is). Not a timed
 test: the figures are recorded in benchmarks/README.md with the machine and its load.
 """
@@ -38,7 +39,7 @@ def run_once(argv: list[str], code: Path = ROOT) -> tuple[float, float, int]:
     """CPU seconds (user + system of the child) and wall seconds of one process, and its exit code."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    rc = subprocess.run(argv, cwd=ROOT, env=env(code), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    rc = subprocess.run(argv, cwd=code, env=env(code), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
