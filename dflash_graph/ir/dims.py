@@ -7,7 +7,7 @@ symbolic so that memory can later be solved for a dim ("largest seq that fits").
 NOTE [Dims without sympy]: the dims of real graphs are sums, products and integer powers of dims (`anchors *
 block`, `vocab - 1`, `5*hidden`): those are `IntPoly` values, exact integer polynomials that print as sympy prints
 the same expression, so `check` does not import sympy (with sympy's import and simplify's, a qwen27b check took
-1.65 s of CPU, without them 0.81 s: benchmarks/check_startup.py).
+1.73 s of CPU, without them 0.82 s: benchmarks/check_startup.py).
 What an IntPoly cannot hold exactly (`//`, `%`, min(), max() of symbols, a product of two sums) is computed by
 sympy as before, imported then; tests/test_dims.py checks both agree on random expressions.
 """
