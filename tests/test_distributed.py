@@ -217,3 +217,178 @@ def test_a_checkpoint_the_writer_cannot_resume_stops_every_rank_with_its_error(i
     others = [ln for ln in text.splitlines() if ln.startswith(("dflash-graph: rank 0 (t0) stops",
                                                                 "dflash-graph: rank 1 (t1) stops"))]
     assert len(others) == 2 and all("rank 2 (draft) cannot resume: " in ln for ln in others), text
+
+
+# -- what a rank reports when another one stops: the fault logic of exec/distributed.Comm on an in-memory store,
+# -- with real processes as the peers (fast: no process group, no torchrun) -----------------------------------
+
+def _comm(peers: dict[int, subprocess.Popen]):
+    """Rank 2 (draft) of a 3-rank launch whose ranks 0 and 1 are `peers`' processes, each having published one
+    heartbeat as a running rank, as Comm.__init__ sets them up (no process group: only the store is used)."""
+    import torch.distributed as dist
+
+    from dflash_graph.exec import distributed as D
+
+    store = dist.HashStore()
+    c = object.__new__(D.Comm)
+    c.rank, c.world = 2, 3
+    c.devices_of_rank = {0: ["t0"], 1: ["t1"], 2: ["draft"]}
+    c.stall, c.where, c.store, c.me = 30.0, D.Where(step=3, node="loss", replica=0), store, D._identity()
+    c._terminated, c.interrupted, c._seen, c._last_check = False, None, {}, 0.0
+    c.beat = D._Beat(store, 2, c.where, {**c.me, "devices": ["draft"]})
+    for k, p in peers.items():
+        stat = D._proc_stat(p.pid)
+        peer = D._Beat(store, k, D.Where(step=3, node="target", replica=k), {
+            **c.me, "pid": p.pid, "start": stat[1], "devices": c.devices_of_rank[k]})
+        peer.publish()
+    return c
+
+
+@contextmanager
+def _peers(n=2):
+    ps = {k: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for k in range(n)}
+    try:
+        yield ps
+    finally:
+        for p in ps.values():
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_the_launchers_sigterm_after_a_sigkill_names_the_killed_rank(reaped):
+    """torchrun sees a SIGKILLed rank die and sends SIGTERM to the others, often before they noticed anything:
+    the report names the killed rank as killed, not 'the launcher stopped this rank (SIGTERM)'. A zombie (killed,
+    not yet reaped by torchrun) is gone too."""
+    with _peers() as ps:
+        c = _comm(ps)
+        ps[1].kill()
+        if reaped:
+            ps[1].wait()
+        else:
+            while _state(ps[1].pid) != "Z":
+                time.sleep(0.01)
+        c._terminated = True
+        from dflash_graph.exec.distributed import RankLost
+
+        with pytest.raises(RankLost) as e:
+            c.set_where(3, "loss", 0)
+    msg = str(e.value)
+    assert msg.startswith("rank 2 (draft) stops at step 3, node 'loss', replica 0: lost rank 1 (t1; pid "), msg
+    assert "killed (SIGKILL" in msg and "SIGTERM" not in msg, msg
+    assert c.store.get("fault").decode() in msg            # every other rank reports the same cause
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_launchers_sigterm_while_every_rank_runs_says_torchrun_was_stopped():
+    with _peers() as ps:
+        c = _comm(ps)
+        c._terminated = True
+        from dflash_graph.exec.distributed import RankLost
+
+        with pytest.raises(RankLost) as e:
+            c.set_where(3, "loss", 0)
+    assert "while every rank was running: torchrun itself was told to stop" in str(e.value)
+    assert "lost rank" not in str(e.value)
+
+
+def test_a_failed_receive_from_a_killed_rank_says_killed():
+    with _peers() as ps:
+        c = _comm(ps)
+        ps[0].kill()
+        ps[0].wait()
+        e = c._failed(0, "posting the receive of 'features_tx' failed on rank 2 (Connection closed by peer)")
+    assert type(e).__name__ == "RankLost"
+    assert "lost rank 0 (t0; pid" in str(e) and "killed (SIGKILL" in str(e) and "Connection closed by peer" in str(e)
+
+
+def test_a_peer_that_stopped_for_ctrl_c_is_an_interrupt_not_a_lost_rank():
+    """Ctrl-C to the process group: a rank whose peer stopped first sees its receive fail ('Connection closed by
+    peer'); the interrupt the peer recorded makes it an interrupt on this rank too."""
+    from dflash_graph.exec.distributed import INTERRUPT, Interrupted
+
+    with _peers() as ps:
+        c = _comm(ps)
+        c.store.set("fault", f"{INTERRUPT}Ctrl-C (SIGINT, first seen by rank 0 (t0))")
+        ps[0].kill()
+        ps[0].wait()
+        e = c._failed(0, "posting the receive of 'features_tx' failed on rank 2 (Connection closed by peer)")
+    assert isinstance(e, Interrupted) and str(e) == "Ctrl-C (SIGINT, first seen by rank 0 (t0))"
+    assert json.loads(c.store.get("beat/2"))["state"] == "interrupted"
+
+
+def test_ctrl_c_on_this_rank_wins_over_the_peers_closed_connection():
+    import signal as signal_
+
+    from dflash_graph.exec.distributed import Interrupted
+
+    with _peers() as ps:
+        c = _comm(ps)
+        c._on_sigint(signal_.SIGINT, None)
+        c._on_sigint(signal_.SIGINT, None)     # torchrun forwards a second one: the same request
+        e = c._failed(0, "posting the receive failed (Connection closed by peer)")
+        assert isinstance(e, Interrupted) and "first seen by rank 2 (draft)" in str(e)
+        with pytest.raises(Interrupted):
+            c.set_where(4, "hooks", 1)
+    assert c.store.get("fault").decode() == "interrupted: Ctrl-C (SIGINT, first seen by rank 2 (draft))"
+
+
+def test_a_fault_recorded_before_the_interrupt_stays_the_cause():
+    from dflash_graph.exec.distributed import RankLost
+
+    with _peers() as ps:
+        c = _comm(ps)
+        c.store.set("fault", "rank 0 (t0) stopped the run: graphs/tiny.toml: error at data.corpus: no such file")
+        c._on_sigint(2, None)
+        with pytest.raises(RankLost) as e:
+            c.set_where(3, "loss", 0)
+    assert "rank 0 (t0) stopped the run: graphs/tiny.toml" in str(e.value)
+
+
+# -- a verdict every rank reaches before the process group exists is printed once per machine ------------------
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_a_launch_of_the_wrong_size_is_refused_by_local_rank_0_alone(in_repo, tmp_path, monkeypatch, capsys,
+                                                                     local_rank):
+    """Every rank of `torchrun --nproc-per-node 2` on a 3-rank graph reaches the same verdict: local rank 0
+    prints it, before the memory report, and exits 2; another rank prints nothing and waits for the launcher to
+    stop it (torchrun stops the rest when one exits nonzero), then exits 2 too."""
+    from dflash_graph.exec import distributed as D
+
+    exits = []
+
+    def _exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(D.os, "_exit", _exit)
+    monkeypatch.setattr(D.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(D, "VERDICT_WAIT", 0.0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    with pytest.raises(SystemExit):
+        main(["run", "graphs/tiny.toml", "--out", str(tmp_path / "run"), "--no-progress"])
+    out = capsys.readouterr()
+    assert exits == [2]
+    said = "torchrun started 2 processes, but the graph's devices map to 3 rank(s)"
+    if local_rank == 0:
+        assert out.err.count(said) == 1 and "--nproc-per-node 3" in out.err, out.err
+        assert out.out == "", out.out          # the refusal comes first, not after the report
+    else:
+        assert out.err == "" and out.out == "", out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_of_the_wrong_size_prints_the_refusal_once(in_repo, tmp_path):
+    code, out = torchrun(2, ["graphs/tiny.toml", "--out", str(tmp_path / "run")], timeout=240)
+    assert code != 0
+    assert out.count("torchrun started 2 processes, but the graph's devices map to 3 rank(s)") == 1, out
+    assert "exitcode  : 2" in out.split("Root Cause")[1], out   # the verdict's status (the other rank may have
+                                                                  # been stopped by torchrun before it had one)
+    assert "internal error" not in out and "launch (this run)" not in out, out

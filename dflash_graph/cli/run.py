@@ -29,6 +29,34 @@ def _allocator_env(plan) -> None:
 
 
 def cmd_run(args) -> int:
+    """Under torchrun every rank runs this. Until the process group exists, every rank checks the same graph and
+    flags and reaches the same verdict: a refusal then is printed once per machine (exec.distributed.
+    shared_verdict), not once per rank. After that, a rank that stops with an error of its own records it in the
+    rendezvous store first, so the other ranks name it instead of reporting a lost peer."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _cmd_run(args, {})
+    from ..errors import GraphError
+    from ..exec import distributed
+
+    stage = {"shared": True}
+    try:
+        code = _cmd_run(args, stage)
+    except GraphError as e:
+        if stage["shared"]:
+            distributed.shared_verdict(str(e), 2)
+        distributed.record_exit(str(e).splitlines()[0])
+        raise
+    except KeyboardInterrupt:
+        if stage["shared"]:
+            distributed.shared_verdict("interrupted: Ctrl-C before training started; nothing was written",
+                                       distributed.EXIT_INTERRUPTED)
+        raise
+    if code != 0 and stage["shared"]:
+        distributed.shared_verdict("", code)
+    return code
+
+
+def _cmd_run(args, stage: dict) -> int:
     from ..errors import GraphError, Location, Problem
 
     if args.steps is not None and args.steps < 1:
@@ -54,6 +82,11 @@ def cmd_run(args) -> int:
     plan = compile_graph(args.graph, [*args.overrides, *host, *mapped_overrides(args, host)], rewrite=not args.no_rewrite,
                          rules_off=args.rules_off)
     spec = plan.typed.ctx.spec
+    if distributed:   # a launch of the wrong size is the first thing to fix: refused before the report
+        from ..analysis.launch import analyze_launch
+        from ..exec.distributed import check_launch
+
+        check_launch(plan.typed, analyze_launch(plan.typed))
     from ..train import rundir
 
     resume = Path(args.resume) if args.resume else None
@@ -102,14 +135,20 @@ def cmd_run(args) -> int:
     opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress, distributed=distributed)
-    from ..exec.distributed import EXIT_LOST, RankLost
+    from ..exec.distributed import EXIT_INTERRUPTED, EXIT_LOST, Interrupted, RankLost
 
+    stage["shared"] = False   # from here on, what fails may fail on one rank only
     try:
         trainer = Trainer(plan, opts)
     except RankLost as e:   # under torchrun: another rank stopped during setup (its own error says why)
         print(f"dflash-graph: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_LOST)   # a collective still pending in a helper thread would keep the process alive
+    except Interrupted as e:   # Ctrl-C during setup: rank 0 says so, once
+        if os.environ.get("RANK") == "0":
+            print(f"interrupted: {e} before training started; nothing trained", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)
     if trainer.finished:   # what `finished` above could not tell (a checkpoint of an older version)
         if trainer.is_writer:
             print(rundir.finished_message(resume, trainer.start_step, resume / "checkpoint"))

@@ -9,10 +9,15 @@ receiver posts the same receives in the same order. A receiving rank holds `queu
 (`queue` on the transfer nodes): a slot is posted when it is free, so a sender whose receiver has no free slot
 blocks in its send, and the receiving rank holds exactly the buffers `check` counts.
 
-Faults. Every wait runs in a helper thread while the main thread watches it: a peer that stops beating (killed,
-frozen), a wait longer than [launch] stall_timeout, a failed send/recv, or SIGTERM from the launcher (torchrun
-stops the other ranks when one dies) all end in `RankLost`: a message naming the lost rank, its devices, the node
-it was running and the step, written first to the rendezvous store so that every rank reports the same cause.
+Faults. Every wait runs in a helper thread while the main thread watches it: a peer whose process is gone (on the
+same machine, seen at once from /proc), a peer that stops beating (frozen, or on a machine that is gone), a wait
+longer than [launch] stall_timeout, a failed send/recv, or SIGTERM from the launcher (torchrun stops the other
+ranks when one dies) all end in `RankLost`: a message naming the lost rank, its devices, the node it was running
+and the step, written first to the rendezvous store so that every rank reports the same cause.
+
+Ctrl-C (SIGINT to any rank, or to the whole process group from a terminal) ends in `Interrupted` on every rank,
+recorded in the store like a fault, so that a rank whose peer stopped first reports the interrupt, not a lost
+peer: see NOTE [Ctrl-C under torchrun].
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -38,16 +44,78 @@ from ..errors import GraphError, Problem
 
 BEAT_SECONDS = 0.5       # how often a rank publishes its heartbeat
 LOST_AFTER = 5.0         # a heartbeat unchanged this long: the rank is gone (killed or frozen)
+CHECK_EVERY = 0.25       # how often a waiting rank looks at the store and at its peer's process
 EXIT_LOST = 4            # exit status of a rank that stopped because another rank was lost
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports Ctrl-C
 HEADER = 5               # step, micro-batch, replica, busy seconds, waiting seconds
+INTERRUPT = "interrupted: "   # the start of a recorded cause that is Ctrl-C, not a fault
+VERDICT_WAIT = 60.0      # how long a rank that leaves a shared verdict to local rank 0 waits to be stopped
 
 
 def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def shared_verdict(text: str, code: int) -> None:
+    """Every rank reached the same verdict before any process group exists (a bad graph or flag, a launch of the
+    wrong size, a predicted OOM): print it once per machine, from local rank 0, and exit `code`.
+
+    The other ranks print nothing and wait to be stopped: torchrun stops every rank when one exits nonzero, so a
+    rank that exited at once could get local rank 0 stopped before it had printed. They exit `code` quietly on
+    the launcher's SIGTERM (torchrun's summary then shows `code` for every rank), or after VERDICT_WAIT seconds."""
+    sys.stdout.flush()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        if text:
+            print(text, file=sys.stderr, flush=True)
+        os._exit(code)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))
+    time.sleep(VERDICT_WAIT)
+    os._exit(code)
+
+
 class RankLost(Exception):
     """Another rank is gone or stalled; `str()` is the message every rank prints."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C reached this rank or another one (NOTE [Ctrl-C under torchrun]); `str()` says which."""
+
+
+# NOTE [Ctrl-C under torchrun]
+# Ctrl-C at a terminal sends SIGINT to the whole foreground process group: torchrun and every rank. torchrun
+# forwards a second SIGINT to each rank and waits for them. Each rank's handler only sets a flag; the rank stops
+# at its next node or while it waits (never inside an optimizer step), records "interrupted: ..." in the store
+# (first writer wins) and raises `Interrupted`. A rank whose send or receive fails because its peer stopped first
+# looks at the store and at its own flag before calling the peer lost, so the stop reads as an interrupt on every
+# rank. Only the writer speaks: it saves the last completed step and prints one line; every rank exits 130.
+# SIGINT to one rank alone (kill -INT) stops the run the same way, through the store.
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) of a process, from /proc; None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return rest[0], rest[19]
+
+
+def _identity() -> dict:
+    """What lets a rank on the same machine, in the same pid namespace, tell whether this process still exists:
+    the boot id (one per kernel boot), the pid namespace and this process's start time (pids are reused)."""
+    me: dict = {"pid": os.getpid(), "host": socket.gethostname()}
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            me["boot"] = f.read().strip()
+        me["pidns"] = os.stat("/proc/self/ns/pid").st_ino
+        stat = _proc_stat(os.getpid())
+        if stat is not None:
+            me["start"] = stat[1]
+    except OSError:
+        pass
+    return me
 
 
 @attrs.define
@@ -88,6 +156,8 @@ class _Beat(threading.Thread):
 class Comm:
     """This rank's side of the launch: process group, receive queues, sends, heartbeat, fault reports."""
 
+    active: Comm | None = None     # this process's, once the process group exists (record_exit)
+
     def __init__(self, launch: Launch, devices_of_rank: Mapping[int, Sequence[str]], stall_timeout: float,
                  device_type: Callable[[str], str]):
         self.launch = launch
@@ -109,7 +179,8 @@ class Comm:
         prefix = f"dflash/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self._store_addr = (host, port, prefix)
         self.store = self._client()
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "devices": self.devices_of_rank[self.rank]}
+        self.me = _identity()
+        info = {**self.me, "devices": self.devices_of_rank[self.rank]}
         self.beat = _Beat(self._client(), self.rank, self.where, info)
         self.beat.publish()
         self.beat.start()
@@ -117,15 +188,18 @@ class Comm:
         depth = max((t.queue for t in launch.transfers if t.dst_rank == self.rank), default=1)
         self.pool = ThreadPoolExecutor(max_workers=depth + 4, thread_name_prefix="dflash-comm")
         self._terminated = False
+        self.interrupted: str | None = None     # set by SIGINT: which rank was interrupted
         self._seen: dict[int, tuple[int, float]] = {}     # peer -> (last beat counter, when it last changed)
         self._last_check = 0.0
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGINT, self._on_sigint)
         # receive side: the slots this rank consumes, in order, and the posted ones
         self.incoming = [t for t in launch.transfers if t.dst_rank == self.rank]
         self.outgoing = [t for t in launch.transfers if t.src_rank == self.rank]
         self._posted: deque = deque()
         self._pending_slots: deque = deque()
         self.wait_seconds = 0.0
+        Comm.active = self
 
     def _client(self) -> dist.Store:
         host, port, prefix = self._store_addr
@@ -136,11 +210,42 @@ class Comm:
     def _on_sigterm(self, signum, frame) -> None:
         self._terminated = True
 
+    def _on_sigint(self, signum, frame) -> None:
+        # torchrun forwards a second SIGINT after the terminal's own: one request either way
+        if self.interrupted is None:
+            self.interrupted = f"{INTERRUPT}Ctrl-C (SIGINT, first seen by {self._name()})"
+
+    def _name(self, rank: int | None = None) -> str:
+        rank = self.rank if rank is None else rank
+        return f"rank {rank} ({', '.join(self.devices_of_rank.get(rank, []))})"
+
+    def _stop_now(self) -> None:
+        """Raise if this rank must stop at this point: Ctrl-C here, or the launcher's SIGTERM."""
+        if self.interrupted is not None:
+            raise self._interrupt(self.interrupted)
+        if self._terminated:
+            raise self._lost(None, "the launcher stopped this rank (SIGTERM)")
+
     def set_where(self, step: int, node: str, replica: int | None) -> None:
         w = self.where
         w.step, w.node, w.replica = step, node, replica
-        if self._terminated:
-            raise self._lost(None, "the launcher stopped this rank (SIGTERM)")
+        self._stop_now()
+
+    def _interrupt(self, cause: str) -> Exception:
+        """Record the interrupt where every rank looks for a cause (the first recorded cause wins: a fault
+        recorded before it stays the cause), and stop beating as a running rank."""
+        try:
+            first = self.store.compare_set("fault", "", cause).decode() or cause
+        except Exception:
+            first = cause
+        self.beat.state = "interrupted" if first.startswith(INTERRUPT) else "failed"
+        try:
+            self.beat.publish()
+        except Exception:
+            pass
+        if not first.startswith(INTERRUPT):
+            return self._lost(None, first)
+        return Interrupted(first[len(INTERRUPT):])
 
     def _peer(self, rank: int) -> dict | None:
         try:
@@ -153,10 +258,28 @@ class Comm:
     def _describe(self, rank: int, beat: dict | None) -> str:
         devs = ", ".join(self.devices_of_rank.get(rank, []))
         if beat is None:
-            return f"rank {rank} ({devs})"
+            return self._name(rank)
         rep = f", replica {beat['replica']}" if beat.get("replica") is not None else ""
         return (f"rank {rank} ({devs}; pid {beat.get('pid')} on {beat.get('host')}) at step {beat.get('step')}, "
                 f"node '{beat.get('node')}'{rep}")
+
+    def _gone(self, beat: dict | None) -> bool | None:
+        """Whether a peer's process has ended (True), is still there (False), or cannot be seen from here (None:
+        another machine or pid namespace, or no /proc). A zombie not yet reaped by torchrun has ended."""
+        me = self.me
+        if beat is None or "boot" not in me or beat.get("boot") != me["boot"] or beat.get("pidns") != me.get("pidns"):
+            return None
+        stat = _proc_stat(int(beat["pid"]))
+        return stat is None or stat[0] in "ZX" or (beat.get("start") is not None and stat[1] != beat["start"])
+
+    def _gone_peers(self, ranks: Sequence[int]) -> list[tuple[int, dict]]:
+        """Peers whose process ended while they were running (not after finishing or stopping on their own)."""
+        out = []
+        for k in ranks:
+            b = self._peer(k)
+            if b is not None and b.get("state") == "running" and self._gone(b):
+                out.append((k, b))
+        return out
 
     def _stale_peers(self, ranks: Sequence[int]) -> list[tuple[int, dict | None]]:
         now = time.monotonic()
@@ -171,37 +294,61 @@ class Comm:
                 out.append((k, b))
         return out
 
-    def _lost(self, peer: int | None, why: str) -> RankLost:
-        """Settle the cause (the first rank to report one wins, in the store) and build the message."""
+    def _lost_text(self, peer: int, beat: dict | None, why: str | None) -> str:
+        """'lost rank K (...)': killed, when its process on this machine ended without recording a cause of its
+        own (a rank that stops on an error records one first), then `why`: what this rank saw."""
+        parts = []
+        if beat is not None and self._gone(beat):
+            parts.append("its process ended without a word: killed (SIGKILL, or the kernel's OOM killer) or crashed")
+        if why:
+            parts.append(why)
+        return f"lost {self._describe(peer, beat)}: {'; '.join(parts) or 'no reason known'}"
+
+    def _lost(self, peer: int | None, why: str | None) -> Exception:
+        """Settle the cause (the first rank to report one wins, in the store) and build the message: `RankLost`, or
+        `Interrupted` when the cause settled is Ctrl-C."""
         others = [k for k in range(self.world) if k != self.rank]
         cause = None
         if peer is not None:
-            cause = f"lost {self._describe(peer, self._peer(peer))}: {why}"
+            cause = self._lost_text(peer, self._peer(peer), why)
         else:
-            # told to stop (SIGTERM) or a failed op without a known peer: find the rank whose heartbeat stopped
+            # told to stop (SIGTERM) or a failed op without a known peer: a cause another rank recorded, else a
+            # peer on this machine whose process is gone (seen at once), else a peer whose heartbeat stopped
+            # (waited for only while some peer is on another machine, where its process cannot be seen)
             self.beat.state = "stopping"
             try:
                 self.beat.publish()
             except Exception:
                 pass
-            deadline = time.monotonic() + LOST_AFTER + 2 * BEAT_SECONDS
-            while time.monotonic() < deadline and cause is None:
+            remote = [k for k in others if self._gone(self._peer(k)) is None]
+            deadline = time.monotonic() + (LOST_AFTER + 2 * BEAT_SECONDS if remote else 0.0)
+            while cause is None:
                 cause = self._recorded_cause()
                 if cause is None:
-                    stale = self._stale_peers(others)
+                    gone = self._gone_peers(others)
+                    if gone:
+                        k, b = gone[0]
+                        cause = self._lost_text(k, b, None)
+                        break
+                    stale = self._stale_peers(remote)
                     if stale:
                         k, b = stale[0]
                         cause = f"lost {self._describe(k, b)}: its heartbeat stopped ({why})"
+                if time.monotonic() >= deadline:
+                    break
                 time.sleep(BEAT_SECONDS / 2)
             if cause is None:
-                cause = f"stopped: {why}"
+                cause = (f"stopped: {why}, while every rank was running: torchrun itself was told to stop"
+                         if not remote and self._terminated else f"stopped: {why}")
         try:
             first = self.store.compare_set("fault", "", cause).decode()
         except Exception:
             first = cause
+        first = first or cause
+        if first.startswith(INTERRUPT):
+            return self._interrupt(first)
         self.beat.state = "failed"
-        return RankLost(f"rank {self.rank} ({', '.join(self.devices_of_rank[self.rank])}) stops at "
-                        f"{self.where.text()}: {first or cause}")
+        return RankLost(f"{self._name()} stops at {self.where.text()}: {first}")
 
     def fail(self, cause: str) -> None:
         """This rank stops the run for a reason of its own (non-finite steps, a failed write): record the cause
@@ -238,21 +385,39 @@ class Comm:
             except FutureTimeout:
                 pass
             except Exception as e:      # the op failed: the connection to the peer is gone
-                raise self._lost(peer, f"{what} failed on rank {self.rank} ({_short(e)})") from None
-            if self._terminated:
-                raise self._lost(None, "the launcher stopped this rank (SIGTERM)")
+                raise self._failed(peer, f"{what} failed on rank {self.rank} ({_short(e)})") from None
+            self._stop_now()
             now = time.monotonic()
-            if now - self._last_check > 1.0:
+            if now - self._last_check > CHECK_EVERY:
                 self._last_check = now
                 cause = self._recorded_cause()
                 if cause:
-                    raise self._lost(None, cause)
+                    raise self._interrupt(cause) if cause.startswith(INTERRUPT) else self._lost(None, cause)
+                if self._gone_peers([peer]):
+                    raise self._lost(peer, None)
                 if self._stale_peers([peer]):
                     raise self._lost(peer, f"no heartbeat for {LOST_AFTER:.0f} s while rank {self.rank} waited on "
                                            f"{what}")
             if stall and now > deadline:
                 raise self._lost(peer, f"rank {self.rank} waited on {what} for longer than stall_timeout = "
                                        f"{self.stall:g} s ([launch])")
+
+    def _failed(self, peer: int, why: str) -> Exception:
+        """A send or receive failed: the peer stopped. Why it stopped decides what this rank reports: Ctrl-C here
+        or there (the peer exits at once, so its connection closes before this rank sees the interrupt), a cause
+        recorded by another rank, or else the peer is lost."""
+        if self.interrupted is not None:
+            return self._interrupt(self.interrupted)
+        deadline = time.monotonic() + 2 * CHECK_EVERY   # the peer records its cause before it exits; wait for it a moment
+        while True:
+            cause = self._recorded_cause()
+            if cause:
+                return self._interrupt(cause) if cause.startswith(INTERRUPT) else self._lost(None, cause)
+            if self.interrupted is not None:
+                return self._interrupt(self.interrupted)
+            if time.monotonic() >= deadline:
+                return self._lost(peer, why)
+            time.sleep(CHECK_EVERY / 4)
 
     # -- receive queues ---------------------------------------------------------------------------------------
     def plan_slots(self, start_step: int, steps: int, accum: int, replicas: int) -> None:
@@ -283,7 +448,7 @@ class Comm:
                 return op(tensor, peer)
             return op(tensor, peer, group=group)
         except Exception as e:
-            raise self._lost(peer, f"{what} failed on rank {self.rank} ({_short(e)})") from None
+            raise self._failed(peer, f"{what} failed on rank {self.rank} ({_short(e)})") from None
 
     def _complete(self, works) -> None:
         """Runs in a pool thread. On NCCL, Work.wait() only orders the compute stream after the transfer; the
@@ -359,6 +524,26 @@ class Comm:
             pass
 
 
+def record_exit(why: str) -> None:
+    """This rank is about to exit on an error of its own: record it where the other ranks look for a cause, so
+    that they name it rather than report this rank lost (a cause recorded before stays the cause)."""
+    comm = Comm.active
+    if comm is not None and comm.beat.state == "running":
+        comm.fail(f"{comm._name()} stopped the run: {why}")
+
+
+def exit_now(code: int) -> None:
+    """The end of a rank that exits nonzero: its cause recorded (a rank that printed an internal error, exit 3,
+    records that much), output flushed, and no wait for a helper thread still blocked on a dead peer. Nothing
+    to do before the process group exists, or in one process."""
+    if Comm.active is None:
+        return
+    record_exit(f"it exited with status {code} (its own message says why)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _short(e: BaseException) -> str:
     """gloo's and NCCL's errors start with a source path: keep the words ('Connection reset by peer')."""
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -367,9 +552,20 @@ def _short(e: BaseException) -> str:
     return text.split(". ")[0][:120]
 
 
-def check_launch(typed, launch: Launch, writer_ranks: set[int]) -> None:
+def writer_ranks(typed, launch: Launch) -> set[int]:
+    """The ranks that run a node of the trainable model (one, in a launch that can run)."""
+    from ..analysis.launch import device_for
+    from ..analysis.memory import grad_nodes
+
+    spec = typed.ctx.spec
+    return {spec.rank_of(device_for(typed, typed.graph[n].device, r)) for n in grad_nodes(typed)
+            for r in range(launch.replicas)}
+
+
+def check_launch(typed, launch: Launch, writers: set[int] | None = None) -> None:
     """What torchrun cannot run, refused before any process group exists (every rank reaches the same verdict)."""
     spec = typed.ctx.spec
+    writers = writer_ranks(typed, launch) if writers is None else writers
     world = int(os.environ.get("WORLD_SIZE", "1"))
     problems = []
     if world != launch.world_size:
@@ -378,8 +574,8 @@ def check_launch(typed, launch: Launch, writer_ranks: set[int]) -> None:
             f"torchrun started {world} processes, but the graph's devices map to {launch.world_size} rank(s) ({ranks})",
             spec.loc("devices"), hint=f"launch with torchrun --nproc-per-node {launch.world_size} (one machine), or "
                                       "declare `rank` on each device to share ranks"))
-    if len(writer_ranks) > 1:
-        problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writer_ranks)}; one rank must own "
+    if len(writers) > 1:
+        problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writers)}; one rank must own "
                                 "all of them (it steps the optimizer and writes the checkpoints)", spec.loc("devices"),
                                 hint="give the drafter's devices one rank"))
     from ..analysis.nodecost import grad_nodes

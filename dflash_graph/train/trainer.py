@@ -128,10 +128,6 @@ def _metrics_through(path: Path, step: int, dst: Path | None = None) -> None:
     os.replace(tmp, dst)
 
 
-class Stop(Exception):
-    """Ctrl-C under torchrun: every rank stops at its next node; the writer keeps the last completed step."""
-
-
 class RunFailed(Exception):
     """The run cannot go on (non-finite steps in a row, a write that failed): `problem` says why and what is kept."""
 
@@ -245,9 +241,8 @@ class Trainer:
         self.rank = 0
         local = None
         if opts.distributed:
-            from ..exec.distributed import Comm, check_launch
+            from ..exec.distributed import Comm
 
-            check_launch(typed, self.launch, writer_ranks)
             by_rank = {k: self.launch.rank_devices(k) for k in range(self.launch.world_size)}
             self.tdev = torch_devices(spec, opts.device_map, only=by_rank[int(os.environ["RANK"])])
             self.comm = Comm(self.launch, by_rank, spec.launch.stall_timeout, lambda d: self.tdev[d])
@@ -329,7 +324,6 @@ class Trainer:
         self.receives = [any(t.replica == r and t.dst_rank == self.rank for t in self.launch.transfers)
                          for r in range(R)]
         self._step_now = self.start_step
-        self._stop_requested = False
         self.max_nonfinite = int(self.cfg.get("max_nonfinite_steps") or 3)
         from .summary import RunSummary
 
@@ -366,9 +360,7 @@ class Trainer:
         return typed.outputs_of(n.id)["input_ids"].sizes[0]
 
     def _on_node(self, node: str, r: int) -> None:
-        if self._stop_requested:
-            raise Stop()
-        self.comm.set_where(self._step_now + 1, node, r)
+        self.comm.set_where(self._step_now + 1, node, r)   # raises at Ctrl-C (Interrupted) or a lost rank
 
     def _generator(self, step: int, micro: int, r: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.seed * 1_000_003 + step * self.accum + micro) * 4096 + r)
@@ -500,13 +492,11 @@ class Trainer:
         interrupted = hard_stop = False
         # Ctrl-C asks to stop. In one process the step in flight finishes (an optimizer step is never left half
         # done), then a checkpoint is saved; a second Ctrl-C stops at once and keeps the previous checkpoint.
-        # Under torchrun every rank stops at its next node and the writer saves the last completed step.
+        # Under torchrun Comm handles SIGINT: every rank stops at its next node or wait and the writer saves the
+        # last completed step (NOTE [Ctrl-C under torchrun]).
         stop = {"requested": False}
 
         def on_sigint(signum, frame):
-            if self.comm is not None:
-                self._stop_requested = True
-                return
             if stop["requested"]:
                 raise KeyboardInterrupt
             stop["requested"] = True
@@ -514,7 +504,7 @@ class Trainer:
                   file=sys.stderr, flush=True)
 
         old_handler = None
-        if threading.current_thread() is threading.main_thread():
+        if self.comm is None and threading.current_thread() is threading.main_thread():
             old_handler = signal.signal(signal.SIGINT, on_sigint)
         if tr is not None:
             tr.__enter__()
@@ -553,20 +543,20 @@ class Trainer:
                     self._save(step)
         except KeyboardInterrupt:
             interrupted = hard_stop = True
-        except Stop:
-            interrupted = True
         except WriteFailed as e:
             failure = self.write_problem(e)
         except RunFailed as e:
             failure = e.problem
         except Exception as e:
-            from ..exec.distributed import RankLost, _short
+            from ..exec.distributed import Interrupted, RankLost, _short
 
-            if isinstance(e, RankLost):
-                lost = e
-            elif self.comm is not None and isinstance(e, RuntimeError) and any(
+            if self.comm is not None and isinstance(e, RuntimeError) and any(
                     w in str(e) for w in ("Connection", "gloo", "NCCL", "closed by peer")):
-                lost = self.comm._lost(None, f"a collective failed ({_short(e)})")   # a peer went away mid-op
+                e = self.comm._lost(None, f"a collective failed ({_short(e)})")   # a peer went away mid-op
+            if isinstance(e, Interrupted):
+                interrupted, lost = True, e
+            elif isinstance(e, RankLost):
+                lost = e
             else:
                 raise
         finally:
@@ -716,25 +706,33 @@ class Trainer:
     def _stop_distributed(self, step: int, lost) -> int:
         """A rank was lost or Ctrl-C was pressed under torchrun: say why, keep what is consistent, exit at once.
         The writer's weights and optimizer are those of the last completed step (a stop is only taken between
-        nodes, never inside an optimizer step), so that step is checkpointed. os._exit: pending receives from a
-        dead peer would otherwise keep the process alive."""
-        from ..exec.distributed import EXIT_LOST
+        nodes, never inside an optimizer step), so that step is checkpointed. A lost rank: every rank says why it
+        stops (exit 4). Ctrl-C: only the writer speaks, one line (exit 130 everywhere). os._exit: pending receives
+        from a dead peer would otherwise keep the process alive."""
+        from ..exec.distributed import EXIT_INTERRUPTED, EXIT_LOST, Interrupted
 
-        code = EXIT_LOST if lost is not None else 130
-        msg = str(lost) if lost is not None else f"rank {self.rank}: stopped by Ctrl-C"
+        interrupt = lost is None or isinstance(lost, Interrupted)
         kept = ""
         if self.is_writer and step > self.start_step:
             try:
                 self._save(step)
-                kept = f"; checkpoint of step {step} saved to {self.opts.out / 'checkpoint'}, continue with " \
+                kept = f"checkpoint of step {step} saved to {self.opts.out / 'checkpoint'}; continue with " \
                        f"--resume {self.opts.out}"
             except Exception as e:   # the disk, not the run: say so, keep the exit status
-                kept = f"; saving the checkpoint of step {step} failed: {e}"
+                kept = f"saving the checkpoint of step {step} failed: {e}"
         elif self.is_writer:
-            kept = "; no step completed since the last checkpoint"
-        print(f"dflash-graph: {msg}{kept}", file=sys.stderr, flush=True)
+            saved = checkpoint.newest_complete(self.opts.out)
+            kept = ("no step completed since the checkpoint of step "
+                    f"{saved[0]} in {self.opts.out / 'checkpoint'}; continue with --resume {self.opts.out}" if saved
+                    else "no step completed, nothing saved")
+        if interrupt:
+            if self.is_writer:
+                why = f"{lost} " if lost is not None and str(lost) else ""
+                print(f"interrupted: {why}during step {step + 1}; {kept}", file=sys.stderr, flush=True)
+        else:
+            print(f"dflash-graph: {lost}{'; ' + kept if kept else ''}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(code)
+        os._exit(EXIT_INTERRUPTED if interrupt else EXIT_LOST)
 
     def _write_rank_file(self) -> None:
         d = self.opts.out / "ranks"
