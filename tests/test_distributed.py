@@ -129,10 +129,15 @@ def _assert_stopped_cleanly(code, text, elapsed, gone, pids, out):
     writer = next(ln for ln in reports if ln.startswith("dflash-graph: rank 2 (draft)"))
     assert "checkpoint of step" in writer and "--resume" in writer
     assert (out / "checkpoint" / "state.json").exists()
+    return reports
 
 
 def test_a_killed_rank_stops_every_other_rank_with_the_cause(in_repo, tmp_path):
-    _assert_stopped_cleanly(*_kill_one_rank(tmp_path, signal.SIGKILL))
+    """Whether a rank sees the broken connection first or torchrun's SIGTERM does, the killed rank is named as
+    killed, by both other ranks alike."""
+    reports = _assert_stopped_cleanly(*_kill_one_rank(tmp_path, signal.SIGKILL))
+    for ln in reports:
+        assert "killed (SIGKILL" in ln and "SIGTERM" not in ln, ln
 
 
 @pytest.mark.slow
@@ -140,6 +145,34 @@ def test_a_frozen_rank_stops_every_other_rank_with_the_cause(in_repo, tmp_path):
     code, text, elapsed, gone, pids, out = _kill_one_rank(tmp_path, signal.SIGSTOP)
     _assert_stopped_cleanly(code, text, elapsed, gone, pids, out)
     assert "no heartbeat" in text
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_process_group_is_one_interrupt(in_repo, tmp_path):
+    """Ctrl-C at a terminal: SIGINT to torchrun and every rank at once (torchrun forwards one more). One line says
+    the run was interrupted and what was saved; no rank reports a lost peer; every rank exits 130 (each rank runs
+    under this file's __main__, which records its status). torchrun itself, which got the SIGINT too, exits 1 on
+    its own (docs/distributed.md)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           str(ROOT / "tests" / "test_distributed.py"), str(out), "graphs/tiny.toml", "--steps", "500", "--out",
+           str(out), "--no-progress"]
+    with session(cmd) as p:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() < deadline, "the run never reached step 2"
+            time.sleep(0.2)
+        os.killpg(p.pid, signal.SIGINT)
+        text, _ = p.communicate(timeout=120)
+        assert session_gone(p.pid), "a process of the run is still alive"
+    said = [ln for ln in text.splitlines() if ln.startswith(("interrupted", "dflash-graph:"))]
+    assert len(said) == 1 and said[0].startswith("interrupted: Ctrl-C (SIGINT, first seen by rank "), text
+    assert "; checkpoint of step " in said[0] and f"continue with --resume {out}" in said[0], said
+    assert "lost" not in text and "Connection closed" not in text, text
+    step = json.loads((out / "checkpoint" / "state.json").read_text())["step"]
+    assert f"checkpoint of step {step} saved" in said[0] and step >= 2
+    assert {f.name: f.read_text() for f in out.glob("status.*")} == {f"status.{k}": "130" for k in range(3)}
 
 
 RANK_MAP = ["--set", "devices.t0.rank=0", "--set", "devices.t1.rank=0", "--set", "devices.draft.rank=1"]
@@ -392,3 +425,32 @@ def test_torchrun_of_the_wrong_size_prints_the_refusal_once(in_repo, tmp_path):
     assert "exitcode  : 2" in out.split("Root Cause")[1], out   # the verdict's status (the other rank may have
                                                                   # been stopped by torchrun before it had one)
     assert "internal error" not in out and "launch (this run)" not in out, out
+
+
+if __name__ == "__main__":
+    # `python tests/test_distributed.py DIR RUN_ARGS...` as a torchrun rank: `python -m dflash_graph run RUN_ARGS` in
+    # a child, its exit status written to DIR/status.RANK. This process waits through Ctrl-C (its child gets it).
+    signal.signal(signal.SIGINT, lambda *_: None)
+    status_dir, *args = sys.argv[1:]
+    code = subprocess.call([sys.executable, "-m", "dflash_graph", "run", *args])
+    Path(status_dir).mkdir(parents=True, exist_ok=True)
+    (Path(status_dir) / f"status.{os.environ['RANK']}").write_text(str(code))
+    sys.exit(code)
+
+
+def test_the_docs_torchrun_commands_run_after_the_quick_start(in_repo):
+    """The README's quick start writes runs/<graph name> (runs/tiny); a documented torchrun command without its own
+    --out would be refused right after it ('runs/tiny already holds a run')."""
+    import re
+
+    seen = 0
+    for doc in ("docs/distributed.md", "docs/guide.md", "README.md"):
+        for block in re.findall(r"```(?:bash|console)\n(.*?)```", Path(doc).read_text(), re.S):
+            lines = block.splitlines()
+            for i, ln in enumerate(lines):
+                if "-m dflash_graph run graphs/tiny.toml" in ln:
+                    seen += 1
+                    command = ln + (lines[i + 1] if ln.rstrip().endswith("\\") and i + 1 < len(lines) else "")
+                    out = re.findall(r"--out (\S+)", command)
+                    assert out and all(o.rstrip("/") != "runs/tiny" for o in out), (doc, ln)
+    assert seen >= 3
