@@ -144,8 +144,11 @@ def _cmd_run(args, stage: dict) -> int:
         print(f"dflash-graph: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_LOST)   # a collective still pending in a helper thread would keep the process alive
-    except Interrupted as e:   # Ctrl-C during setup: rank 0 says so, once
-        if os.environ.get("RANK") == "0":
+    except Interrupted as e:   # Ctrl-C during setup: the writer says so, once (as it does in training)
+        from ..analysis.launch import analyze_launch
+        from ..exec.distributed import writer_ranks
+
+        if int(os.environ["RANK"]) == min(writer_ranks(plan.typed, analyze_launch(plan.typed))):
             print(f"interrupted: {e} before training started; nothing trained", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_INTERRUPTED)
