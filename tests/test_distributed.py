@@ -454,3 +454,44 @@ def test_the_docs_torchrun_commands_run_after_the_quick_start(in_repo):
                     out = re.findall(r"--out (\S+)", command)
                     assert out and all(o.rstrip("/") != "runs/tiny" for o in out), (doc, ln)
     assert seen >= 3
+
+
+def test_two_ranks_stopping_on_the_same_error_print_it_once():
+    """Both target ranks read the same bad corpus after the process group exists: the first records its error,
+    the second finds the very same error recorded and need not print it; a different error is its own."""
+    from dflash_graph.exec import distributed as D
+
+    with _peers() as ps:
+        a = _comm(ps)
+        a.rank, a.devices_of_rank = 0, {0: ["t0"], 1: ["t1"], 2: ["draft"]}
+        b = _comm(ps)
+        b.store, b.rank, b.beat.store = a.store, 1, a.store
+        err = "/tmp/bad.jsonl:301: error: not valid JSON (Expecting ',' delimiter at column 1)"
+        D.Comm.active = a
+        try:
+            assert D.record_exit(err) is False
+            D.Comm.active = b
+            assert D.record_exit(err) is True
+            assert a.store.get("fault").decode() == f"rank 0 (t0) stopped the run: {err}"
+            c = _comm(ps)
+            D.Comm.active = c
+            c.store.set("fault", f"rank 0 (t0) stopped the run: {err}")
+            assert D.record_exit("graphs/tiny.toml: error at data.tokenizer: no such file") is False
+        finally:
+            D.Comm.active = None
+
+
+@pytest.mark.slow
+def test_a_bad_corpus_under_torchrun_is_one_error_and_no_internal_error(in_repo, tmp_path):
+    """The target ranks find a bad corpus line after the process group exists (the writer is then waiting in a
+    setup broadcast as its source): the error is printed once, the writer names it (exit 4), nothing is exit 3."""
+    lines = Path("graphs/tiny/corpus.jsonl").read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([*lines[:300], '{"text": 3', *lines[300:]]) + "\n")
+    code, out = torchrun(3, ["graphs/tiny.toml", "--out", str(tmp_path / "run"), "--set", f"data.corpus={bad}"],
+                         timeout=240)
+    assert code != 0
+    assert out.count(f"{bad}:301: error: not valid JSON") == 2, out   # printed once, named once by the writer
+    writer = [ln for ln in out.splitlines() if ln.startswith("dflash-graph: rank 2 (draft) stops")]
+    assert len(writer) == 1 and f"stopped the run: {bad}:301: error: not valid JSON" in writer[0], out
+    assert "internal error" not in out and "exitcode  : 3" not in out, out

@@ -44,7 +44,8 @@ def cmd_run(args) -> int:
     except GraphError as e:
         if stage["shared"]:
             distributed.shared_verdict(str(e), 2)
-        distributed.record_exit(str(e).splitlines()[0])
+        if distributed.record_exit(str(e).splitlines()[0]):   # another rank already printed this very error
+            distributed.exit_now(2)
         raise
     except KeyboardInterrupt:
         if stage["shared"]:

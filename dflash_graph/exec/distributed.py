@@ -350,18 +350,20 @@ class Comm:
         self.beat.state = "failed"
         return RankLost(f"{self._name()} stops at {self.where.text()}: {first}")
 
-    def fail(self, cause: str) -> None:
+    def fail(self, cause: str) -> str:
         """This rank stops the run for a reason of its own (non-finite steps, a failed write): record the cause
-        where every rank looks for one, so the others stop at their next wait naming it, not a lost peer."""
+        where every rank looks for one, so the others stop at their next wait naming it, not a lost peer. Returns
+        the cause recorded (another rank's, if one was recorded first)."""
         try:
-            self.store.compare_set("fault", "", cause)
+            first = self.store.compare_set("fault", "", cause).decode() or cause
         except Exception:
-            pass
+            first = cause
         self.beat.state = "failed"
         try:
             self.beat.publish()
         except Exception:
             pass
+        return first
 
     def _recorded_cause(self) -> str | None:
         try:
@@ -499,10 +501,9 @@ class Comm:
         error of its own (Comm.fail) ends it with that error rather than a broken connection."""
         box = [obj]
         fut = self.pool.submit(dist.broadcast_object_list, box, src, self.ctrl)
-        if self.rank == src:
-            fut.result()
-        else:
-            self._watch(fut, src, what, stall=False)
+        # the source watches too: a rank that stopped on an error of its own breaks the broadcast
+        peer = src if self.rank != src else next(k for k in range(self.world) if k != src)
+        self._watch(fut, peer, what, stall=False)
         return box[0]
 
     def gather(self, obj, dst: int) -> list | None:
@@ -524,12 +525,17 @@ class Comm:
             pass
 
 
-def record_exit(why: str) -> None:
+def record_exit(why: str) -> bool:
     """This rank is about to exit on an error of its own: record it where the other ranks look for a cause, so
-    that they name it rather than report this rank lost (a cause recorded before stays the cause)."""
+    that they name it rather than report this rank lost (a cause recorded before stays the cause). True when
+    another rank recorded the very same error first (two target ranks that read the same bad corpus): this rank
+    need not print it again."""
     comm = Comm.active
-    if comm is not None and comm.beat.state == "running":
-        comm.fail(f"{comm._name()} stopped the run: {why}")
+    if comm is None or comm.beat.state != "running":
+        return False
+    said = " stopped the run: "
+    first = comm.fail(f"{comm._name()}{said}{why}")
+    return first.startswith("rank ") and first.split(said, 1)[-1] == why and not first.startswith(comm._name() + said)
 
 
 def exit_now(code: int) -> None:
