@@ -561,7 +561,7 @@ def _short(e: BaseException) -> str:
 def writer_ranks(typed, launch: Launch) -> set[int]:
     """The ranks that run a node of the trainable model (one, in a launch that can run)."""
     from ..analysis.launch import device_for
-    from ..analysis.memory import grad_nodes
+    from ..analysis.nodecost import grad_nodes
 
     spec = typed.ctx.spec
     return {spec.rank_of(device_for(typed, typed.graph[n].device, r)) for n in grad_nodes(typed)
@@ -570,6 +570,8 @@ def writer_ranks(typed, launch: Launch) -> set[int]:
 
 def check_launch(typed, launch: Launch, writers: set[int] | None = None) -> None:
     """What torchrun cannot run, refused before any process group exists (every rank reaches the same verdict)."""
+    from ..analysis.nodecost import grad_nodes
+
     spec = typed.ctx.spec
     writers = writer_ranks(typed, launch) if writers is None else writers
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -584,8 +586,6 @@ def check_launch(typed, launch: Launch, writers: set[int] | None = None) -> None
         problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writers)}; one rank must own "
                                 "all of them (it steps the optimizer and writes the checkpoints)", spec.loc("devices"),
                                 hint="give the drafter's devices one rank"))
-    from ..analysis.nodecost import grad_nodes
-
     grads = grad_nodes(typed)
     by_dst: dict[tuple[int, int], set[int]] = {}
     for t in launch.transfers:
