@@ -412,6 +412,9 @@ def test_a_launch_of_the_wrong_size_is_refused_by_local_rank_0_alone(in_repo, tm
     if local_rank == 0:
         assert out.err.count(said) == 1 and "--nproc-per-node 3" in out.err, out.err
         assert out.out == "", out.out          # the refusal comes first, not after the report
+        doc = Path("docs/distributed.md").read_text().split("$ torchrun --nproc-per-node 2 ", 1)[1]
+        example = doc.split("\n", 1)[1].split("```", 1)[0]     # what docs/distributed.md shows it prints
+        assert " ".join(example.split()) == " ".join(out.err.split()), (example, out.err)
     else:
         assert out.err == "" and out.out == "", out
     assert not (tmp_path / "run").exists()
