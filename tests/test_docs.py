@@ -39,7 +39,8 @@ TIME = re.compile(r"(?<![\w.,])\d+(?:[.,]\d+)*(?:\s*(?:to|–|-)\s*\d+(?:[.,]\d+
 MARK = re.compile(r"measured on (?:(?!\.\s)[^;]){0,240}?\b\d{4}-\d{2}-\d{2}\b", re.S | re.I)
 SETTINGS = {
     "docs/rules/proofs.md": ["solver timeout, 30 s per query"],
-    "docs/distributed.md": ["no heartbeat for 5 s", "within 5 s", "(default 30 s)", "30 s to handle its SIGTERM"],
+    "docs/distributed.md": ["no heartbeat for 5 s", "within 5 s", "(default 30 s)", "30 s to handle its SIGTERM",
+                            "wait up to 6 s"],
 }
 
 
