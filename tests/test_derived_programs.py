@@ -128,53 +128,23 @@ def test_structures_that_differ_are_reported():
 # every stored program against MemTracker and the recorder, at sizes not used in fitting
 
 from dflash_graph.models.trace.archs import ARCHS  # noqa: E402
-from dflash_graph.models.trace.derive import held_out, trace_at  # noqa: E402
-
-
-def _memtracker_peak(spec, point, packing, layer_types=None) -> int:
-    """torch's MemTracker over fake tensors: the activation peak of one causal-LM forward."""
-    import logging
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    from dflash_graph.models.trace.record import packed_positions, packing_as_run
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    cfg = spec.config({k: v for k, v in point.items() if k != "seq"})
-    if layer_types:
-        cfg.layer_types, cfg.num_hidden_layers = list(layer_types), len(layer_types)
-    fake = FakeTensorMode()
-    with fake:
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = spec.model_class()(cfg).eval()
-        finally:
-            torch.set_default_dtype(prev)
-        ids = torch.zeros(1, point["seq"], dtype=torch.long)
-    kw = {"input_ids": ids, "use_cache": False}
-    if packing == "mask":
-        kw["position_ids"] = fake.from_tensor(packed_positions(point["seq"], 4))
-    mt = MemTracker()
-    mt.track_external(model)
-    with packing_as_run(packing == "mask"), fake, torch.no_grad(), mt:
-        model(**kw)
-    snap = mt.get_tracker_snapshot("peak")
-    dev = next(iter(snap))
-    return snap[dev][_MemRefType.ACT] + snap[dev][_MemRefType.TEMP]
+from dflash_graph.models.trace.derive import disagreement, held_out, trace_at  # noqa: E402
+from dflash_graph.models.trace.memtrack import REALISTIC, compare, memtracker_peak  # noqa: E402
 
 
 @pytest.mark.parametrize("key", STORED, ids=[_id(k) for k in STORED])
 def test_program_peak_equals_memtracker_at_held_out_sizes(key):
+    """Every stored program, at a point outside its design and its own held-out points: each allocation's size
+    equals the recorder's, and the peak equals MemTracker's, byte for byte."""
     spec = ARCHS[key["arch"]]
     prog = programs.load(key["arch"], packing=key["packing"])
-    point = held_out(spec, n=1, seed=7)[0]  # not a design point, not the stored program's own held-out points
+    point = held_out(spec, key["packing"], n=4, seed=7)[-1]
+    assert point not in [h["point"] for h in prog["held_out"]]
     tr = trace_at(spec, point, key["packing"])
     types = [p.name.removeprefix("layer:") for p in tr.pieces if p.name.startswith("layer:")]
     run = programs.evaluate(prog, {k: v for k, v in point.items() if k != "seq"}, point["seq"], types)
-    assert [e.nbytes for e in run.events if e.kind == "alloc"] == [e.nbytes for e in tr.flat() if isinstance(e, Alloc)]
-    assert run.peak == tr.peak == _memtracker_peak(spec, point, key["packing"])
+    assert disagreement(run, tr) is None, disagreement(run, tr)
+    assert run.peak == memtracker_peak(spec, point, key["packing"], layer_types=types)
 
 
 @pytest.mark.skipif(not any(k["arch"] == "qwen3_5" for k in STORED), reason="no Qwen3.5 program derived yet")
@@ -182,7 +152,72 @@ def test_qwen3_5_layers_in_any_order_and_number():
     """The program composes layers it was not traced with: three layers, full attention first."""
     spec = ARCHS["qwen3_5"]
     prog = programs.load("qwen3_5")
-    point = held_out(spec, n=1, seed=11)[0]
+    point = held_out(spec, "documents", n=1, seed=11)[0]
     types = ["full_attention", "linear_attention", "linear_attention"]
     run = programs.evaluate(prog, {k: v for k, v in point.items() if k != "seq"}, point["seq"], types)
-    assert run.peak == _memtracker_peak(spec, point, "documents", layer_types=types)
+    assert run.peak == memtracker_peak(spec, point, "documents", layer_types=types)
+
+
+REALISTIC_CASES = [(k, name) for k in STORED for name in REALISTIC.get(k["arch"], {})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key,name", REALISTIC_CASES, ids=[f"{_id(k)}-{n}" for k, n in REALISTIC_CASES])
+def test_program_peak_equals_memtracker_at_realistic_width(key, name):
+    """The public configs' widths (few layers, seq 2048): the program's peak is MemTracker's, byte for byte."""
+    spec = ARCHS[key["arch"]]
+    point = dict(REALISTIC[key["arch"]][name], seq=2048)
+    predicted, measured = compare(spec, point, key["packing"], layers=4 if spec.layers else 2)
+    assert predicted == measured
+
+
+# --------------------------------------------------------------------------------------------------------------
+# where a program holds: a config transformers refuses, and the code paths sdpa takes
+
+
+def test_a_config_transformers_refuses_is_a_fit_error():
+    """LlamaConfig refuses hidden not a multiple of heads: the tracer names the point and the fix, no traceback."""
+    spec = ARCHS["llama"]
+    with pytest.raises(fit.FitError, match=r"LlamaConfig refuses the point .*'hidden': 50.*not a multiple.*`valid`"):
+        trace_at(spec, dict(spec.base, hidden=50), "documents")
+    assert not spec.admits(dict(spec.base, hidden=50), "documents")
+
+
+def test_conditions_of_a_program():
+    values = {"heads": 8, "kv_heads": 1, "head_dim": 512, "seq": 100}
+    assert programs.holds("heads != kv_heads", values) and not programs.holds("kv_heads != 1", values)
+    assert not programs.holds("head_dim <= 256", values) and programs.holds("seq > 1", values)
+    with pytest.raises(programs.ProgramError, match="'experts', not a dim"):
+        programs.holds("experts > 1", values)
+
+
+def _layer_ops(spec, point, packing):
+    tr = trace_at(spec, point, packing)
+    return fit._tokens(next(s for s in fit._split(tr) if s["name"].startswith("layer:"))["own"])
+
+
+def test_sdpa_conditions_are_where_the_layer_runs_other_code():
+    """With a mask, sdpa repeats kv heads by a copy, except with one kv head (a view) or no repeat: each
+    excluded point runs other ops than an admitted one, and the design admits only points that run the same."""
+    spec = ARCHS["qwen3"]
+    base = dict(spec.base, seq=24)
+    ops = _layer_ops(spec, base, "mask")
+    assert _layer_ops(spec, dict(base, heads=8, kv_heads=4), "mask") == ops
+    for excluded in (dict(base, kv_heads=1), dict(base, heads=4, kv_heads=4)):
+        assert not spec.admits(excluded, "mask") and spec.admits(excluded, "documents")
+        assert _layer_ops(spec, excluded, "mask") != ops
+        assert _layer_ops(spec, excluded, "documents") == _layer_ops(spec, base, "documents")
+    # head_dim > 256 without a mask: sdpa cannot take the grouped heads, repeat_kv copies them
+    wide = dict(base, head_dim=264)
+    assert not spec.admits(wide, "documents")
+    assert _layer_ops(spec, wide, "documents") != _layer_ops(spec, base, "documents")
+
+
+@pytest.mark.parametrize("key", STORED, ids=[_id(k) for k in STORED])
+def test_the_evaluator_refuses_a_config_the_program_does_not_hold_for(key):
+    prog = programs.load(key["arch"], packing=key["packing"])
+    point = dict(prog["held_out"][0]["point"])
+    seq = point.pop("seq")
+    bad = dict(point, head_dim=512) if key["packing"] == "documents" else dict(point, kv_heads=point["heads"])
+    with pytest.raises(programs.ProgramError, match="holds when .* transformers runs other code"):
+        programs.evaluate(prog, bad, seq, prog["layer_types"])

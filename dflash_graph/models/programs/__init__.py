@@ -67,6 +67,46 @@ def load(arch: str, *, attn: str = "sdpa", kernels: str = "cpu_flash", dtype: st
                               key["packing"]).read_text())
 
 
+_COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a, b: a <= b,
+            ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+
+
+def holds(condition: str, values: dict[str, int]) -> bool:
+    """Whether a program's condition ("<a> <op> <b>", each side a dim or an integer; op one of == != <= >= < >)
+    holds for these dims. A program holds only where transformers runs the code it was traced with."""
+    a, op, b = condition.split()
+
+    def side(x: str) -> int:
+        if x.lstrip("-").isdigit():
+            return int(x)
+        if x not in values:
+            raise ProgramError(f"the condition {condition!r} names {x!r}, not a dim of the program")
+        return values[x]
+
+    if op not in _COMPARE:
+        raise ProgramError(f"the condition {condition!r}: unknown comparison {op!r} (one of {' '.join(_COMPARE)})")
+    return _COMPARE[op](side(a), side(b))
+
+
+def derived_values(derived: dict[str, list], values: dict[str, int]) -> dict[str, int]:
+    """The derived dims (a program's "derived": name -> ["div", a, b] for a / b, exact, or ["ceildiv", a, b] for
+    ceil(a / b); a and b dims or integers) from the given ones: kv groups = heads / kv_heads, the delta rule's
+    chunks = ceil(seq / 64). A size that is a quotient of dims is a polynomial in the quotient, not in the dims."""
+    out = {}
+    for name, (op, a, b) in derived.items():
+        x = values[a] if isinstance(a, str) else a
+        y = values[b] if isinstance(b, str) else b
+        if op == "ceildiv":
+            out[name] = -(-x // y)
+        elif op == "div":
+            if y <= 0 or x % y:
+                raise ProgramError(f"{name} = {a} / {b} must be a whole number, and here {a} = {x}, {b} = {y}")
+            out[name] = x // y
+        else:
+            raise ProgramError(f"derived dim {name}: unknown operation {op!r} (div, ceildiv)")
+    return out
+
+
 def _poly(poly: list[list], values: dict[str, int]) -> int:
     total = Fraction(0)
     for term in poly:
@@ -131,20 +171,21 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
     """The forward's allocation events and live-bytes peak, for dims (the program's dim names) and seq tokens.
 
     upto="epilogue" stops when the body returns (no lm_head: the embedding, the body and its output)."""
-    need = set(program["dims"]) - {"seq", "chunks"}
+    derived = program.get("derived", {})
+    need = set(program["dims"]) - {"seq"} - set(derived)
     missing = sorted(need - set(dims))
     if missing:
         raise ProgramError(f"missing dims {missing} (the program's dims: {sorted(need)})")
     values = dict(dims, seq=seq)
-    for cond in program.get("holds_when", ()):
-        a, op, b = cond.split()
-        if not {"!=": values[a] != values[b], "==": values[a] == values[b]}[op]:
-            raise ProgramError(f"the stored {program['key']['arch']} program holds when {cond}, and here {a} = "
-                               f"{values[a]}, {b} = {values[b]}: transformers runs other code; a program for "
-                               f"this config must be derived (python tools/derive_programs.py, later "
-                               f"`dflash-graph trace-model CONFIG`)")
-    if "chunks" in program["dims"]:
-        values["chunks"] = -(-seq // program["chunk_size"])
+    values.update(derived_values(derived, values))
+    broken = [c for c in program.get("holds_when", ()) if not holds(c, values)]
+    if broken:
+        cond = broken[0]
+        shown = ", ".join(f"{n} = {values[n]}" for n in cond.split()[::2] if n in values)
+        raise ProgramError(f"the stored {program['key']['arch']} program (packing {program['key']['packing']}) holds "
+                           f"when {cond}, and here {shown}: transformers runs other code; a program for this config "
+                           f"must be derived (python tools/derive_programs.py, later `dflash-graph trace-model "
+                           f"CONFIG`)")
     pieces = sequence(program, layer_types)
     if upto != "end" and upto not in pieces:
         raise ProgramError(f"upto must be a piece of the forward, one of {sorted(set(pieces))}")
@@ -186,4 +227,5 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
     return Run(tuple(events), peak, piece_peak, peak_at)
 
 
-__all__ = ["Event", "ProgramError", "Run", "available", "evaluate", "load", "path_of", "sequence"]
+__all__ = ["Event", "ProgramError", "Run", "available", "derived_values", "evaluate", "holds", "load", "path_of",
+           "sequence"]

@@ -9,7 +9,6 @@ program.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -23,13 +22,36 @@ class ArchSpec:
     arch: str  # the config's model_type
     config_cls: str  # transformers class names
     model_cls: str
-    dims: dict[str, str]  # program dim -> config key ("seq" and "chunks" come from the input)
+    dims: dict[str, str]  # program dim -> config key ("seq" comes from the input)
     base: dict[str, int]  # base value of each dim (and "seq")
     alts: dict[str, tuple[int, int]]  # two other values of each dim
     fixed: dict[str, Any] = attrs.field(factory=dict)  # config values the program holds for
     layers: tuple[str, ...] = ()  # layer_types to trace ((): the arch's default for 2 layers)
     valid: Any = None  # dims -> None or why the combination is not a valid config, or not this program's
     holds_when: tuple[str, ...] = ()  # conditions on the dims the program was derived under (evaluate checks)
+    # dims computed from others (programs.derived_values): sizes that are polynomials in a quotient of dims
+    derived: dict[str, tuple] = attrs.field(factory=lambda: dict(GROUPS))
+
+    def names(self) -> list[str]:
+        """The dims a program's sizes are fitted in: the varied ones and the derived ones."""
+        return list(self.alts) + list(self.derived)
+
+    def with_derived(self, values: dict[str, int]) -> dict[str, int]:
+        from dflash_graph.models.programs import derived_values
+
+        return dict(values, **derived_values({k: list(v) for k, v in self.derived.items()}, values))
+
+    def conditions(self, packing: str) -> tuple[str, ...]:
+        """Where a program of this arch holds: the arch's own conditions and those of sdpa under this packing."""
+        return self.holds_when + SDPA_HOLDS_WHEN[packing]
+
+    def admits(self, values: dict[str, int], packing: str) -> bool:
+        """Whether a point is a valid config that runs the code the program is derived for (design and checks)."""
+        from dflash_graph.models.programs import holds
+
+        if self.valid is not None and self.valid(values) is not None:
+            return False
+        return all(holds(c, values) for c in self.conditions(packing))
 
     def config(self, values: dict[str, int], attn: str = "sdpa"):
         import transformers
@@ -52,15 +74,20 @@ class ArchSpec:
         return getattr(transformers, self.model_cls)
 
 
+#: where transformers' sdpa_attention_forward (integrations/sdpa_attention.py) runs the code a program is traced
+#: with. Without a mask (packing "documents") grouped-query heads go to sdpa with enable_gqa, unless head_dim > 256
+#: (then repeat_kv copies k and v). With a mask (packing "mask") repeat_kv always runs: a copy of k and v to
+#: `heads` heads, except with one kv head (the expand is a view) or as many kv heads as heads (nothing to repeat).
+#: One query token (seq 1) packs the heads instead. Each excluded case is other code: another program.
+SDPA_HOLDS_WHEN = {"documents": ("seq > 1", "head_dim <= 256"),
+                   "mask": ("seq > 1", "kv_heads != 1", "kv_heads != heads")}
+
 #: what transformers runs for MoE experts by default (modeling_utils.get_correct_experts_implementation)
 EXPERTS_IMPLEMENTATION = "grouped_mm"
 
 
-def with_seq(values: dict[str, int], seq: int, chunked: bool) -> dict[str, int]:
-    out = dict(values, seq=seq)
-    if chunked:
-        out["chunks"] = math.ceil(seq / DELTA_RULE_CHUNK)
-    return out
+#: query heads per kv head: sdpa with a mask repeats k and v to [1, kv_heads, groups, seq, head_dim] (repeat_kv)
+GROUPS = {"groups": ("div", "heads", "kv_heads")}
 
 
 def _gqa(v: dict[str, int]) -> str | None:
@@ -68,9 +95,6 @@ def _gqa(v: dict[str, int]) -> str | None:
         return "heads must be a multiple of kv_heads"
     if v.get("lin_v_heads", 1) % v.get("lin_k_heads", 1):
         return "lin_v_heads must be a multiple of lin_k_heads"
-    if "lin_v_heads" in v and v["lin_v_heads"] == v["lin_k_heads"]:
-        # torch_chunk_gated_delta_rule repeats q and k only when the head counts differ: another program
-        return "lin_v_heads == lin_k_heads takes other code (no repeat_interleave)"
     if v.get("top_k", 0) > v.get("experts", 1 << 30):
         return "top_k must be at most experts"
     return None
@@ -78,8 +102,10 @@ def _gqa(v: dict[str, int]) -> str | None:
 
 _DENSE_DIMS = {"hidden": "hidden_size", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
                "head_dim": "head_dim", "intermediate": "intermediate_size", "vocab": "vocab_size"}
-_DENSE_BASE = {"hidden": 48, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 80, "vocab": 300, "seq": 100}
-_DENSE_ALTS = {"hidden": (64, 88), "heads": (8, 12), "kv_heads": (1, 4), "head_dim": (24, 32),
+# heads and kv heads: every point repeats kv heads (n_rep > 1) from more than one kv head, as real targets do and
+# as packing "mask" needs (SDPA_HOLDS_WHEN); hidden a multiple of heads (LlamaConfig wants it)
+_DENSE_BASE = {"hidden": 48, "heads": 12, "kv_heads": 2, "head_dim": 16, "intermediate": 80, "vocab": 300, "seq": 100}
+_DENSE_ALTS = {"hidden": (72, 96), "heads": (8, 24), "kv_heads": (3, 4), "head_dim": (24, 32),
                "intermediate": (96, 136), "vocab": (340, 420), "seq": (90, 130)}
 
 ARCHS: dict[str, ArchSpec] = {
@@ -109,7 +135,10 @@ ARCHS: dict[str, ArchSpec] = {
              seq=(110, 120)),
         fixed={"tie_word_embeddings": False, "attention_bias": False, "linear_conv_kernel_dim": 4},
         layers=("linear_attention", "full_attention"),
-        valid=_gqa, holds_when=("lin_v_heads != lin_k_heads",)),
+        valid=_gqa, holds_when=("lin_v_heads != lin_k_heads",),
+        # the delta rule's scan over chunks of 64 tokens; linear value heads per key head (repeat_interleave)
+        derived=dict(GROUPS, chunks=("ceildiv", "seq", DELTA_RULE_CHUNK),
+                     lin_groups=("div", "lin_v_heads", "lin_k_heads"))),
 }
 
 #: seq values for the chunk count (Qwen3.5): the base seq's chunk count, one more, two more, and one inside a chunk

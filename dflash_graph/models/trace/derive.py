@@ -14,15 +14,16 @@ import transformers
 
 from dflash_graph.models import programs
 
-from .archs import ARCHS, CHUNK_SEQS, DELTA_RULE_CHUNK, ArchSpec, with_seq
+from .archs import ARCHS, CHUNK_SEQS, DELTA_RULE_CHUNK, ArchSpec
 from .fit import FitError, fit_program
-from .record import Trace, trace_causal_lm
+from .record import Alloc, Trace, trace_causal_lm
 
 
-def design(spec: ArchSpec) -> list[dict[str, int]]:
+def design(spec: ArchSpec, packing: str) -> list[dict[str, int]]:
     """The base point, each dim at its two alternates, each pair of dims at their first alternates (the points
-    that fix a polynomial of degree <= 2), and for a chunked arch seqs with more chunks. Invalid configs skipped
-    (replaced by the second alternate where that makes it valid)."""
+    that fix a polynomial of degree <= 2), and for a chunked arch seqs with more chunks. Points that are not valid
+    configs, or where transformers runs other code under this packing (`spec.admits`), are skipped (a pair is
+    replaced by other alternates where that makes it admissible)."""
     names = list(spec.alts)
     base = dict(spec.base)
     pts = [base]
@@ -32,20 +33,20 @@ def design(spec: ArchSpec) -> list[dict[str, int]]:
         na, nb = names[a], names[b]
         for ia, ib in ((0, 0), (1, 1), (0, 1), (1, 0)):
             p = dict(base, **{na: spec.alts[na][ia], nb: spec.alts[nb][ib]})
-            if spec.valid is None or spec.valid(p) is None:
+            if spec.admits(p, packing):
                 pts.append(p)
                 break
-    if spec.arch == "qwen3_5":
+    if "chunks" in spec.derived:
         for s in CHUNK_SEQS:
             pts.append(dict(base, seq=s))
         for n in names:
             if n != "seq":
                 pts.append(dict(base, seq=CHUNK_SEQS[0], **{n: spec.alts[n][0]}))
-    return [p for p in pts if spec.valid is None or spec.valid(p) is None]
+    return [p for p in pts if spec.admits(p, packing)]
 
 
-def held_out(spec: ArchSpec, n: int = 3, seed: int = 0) -> list[dict[str, int]]:
-    """Points where every dim differs from the design's values (valid configs only)."""
+def held_out(spec: ArchSpec, packing: str, n: int = 3, seed: int = 0) -> list[dict[str, int]]:
+    """Points where every dim differs from the design's values (admissible configs only)."""
     rng = random.Random(seed)
     out: list[dict[str, int]] = []
     while len(out) < n:
@@ -60,28 +61,36 @@ def held_out(spec: ArchSpec, n: int = 3, seed: int = 0) -> list[dict[str, int]]:
             p["lin_v_heads"] = p["lin_k_heads"] * rng.choice((2, 3))
         if p.get("top_k"):
             p["top_k"] = min(p["top_k"], p["experts"])
-        if spec.arch == "qwen3_5":
+        if "chunks" in spec.derived:
             p["seq"] = rng.randrange(130, 330)
-        if spec.valid is None or spec.valid(p) is None:
+        used = {k: {spec.base[k], *spec.alts[k]} | (set(CHUNK_SEQS) if k == "seq" else set()) for k in p}
+        if spec.admits(p, packing) and not any(p[k] in used[k] for k in p) and p not in out:
             out.append(p)
     return out
 
 
 def trace_at(spec: ArchSpec, point: dict[str, int], packing: str) -> Trace:
-    cfg = spec.config({k: v for k, v in point.items() if k != "seq"})
+    """One traced forward at `point`; a config transformers refuses is a FitError naming the point (the arch
+    entry's `valid` should have skipped it: the fix is there)."""
+    try:
+        cfg = spec.config({k: v for k, v in point.items() if k != "seq"})
+    except Exception as e:  # transformers' config validation: ValueError, TypeError, StrictDataclass errors
+        raise FitError(f"{spec.arch}: transformers' {spec.config_cls} refuses the point {point}: "
+                       f"{type(e).__name__}: {' '.join(str(e).split())[:400]}; make the arch entry's "
+                       f"`valid` (models/trace/archs.py) skip such points") from e
     return trace_causal_lm(spec.model_class(), cfg, point["seq"], packing=packing)
 
 
 def program_dims(spec: ArchSpec, point: dict[str, int]) -> dict[str, int]:
-    return with_seq(point, point["seq"], spec.arch == "qwen3_5")
+    return spec.with_derived(point)
 
 
 def derive(arch: str, packing: str = "documents", log=print) -> dict[str, Any]:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     spec = ARCHS[arch]
-    chunked = arch == "qwen3_5"
-    names = list(spec.alts) + (["chunks"] if chunked else [])
-    pts = design(spec)
+    chunked = "chunks" in spec.derived
+    names = spec.names()
+    pts = design(spec, packing)
     t0 = time.time()
     traces = [(program_dims(spec, p), trace_at(spec, p, packing)) for p in pts]
     log(f"{arch}/{packing}: {len(traces)} traces in {time.time() - t0:.0f} s")
@@ -94,9 +103,10 @@ def derive(arch: str, packing: str = "documents", log=print) -> dict[str, Any]:
         "model_class": spec.model_cls,
         "experts_implementation": "grouped_mm" if arch.endswith("moe") else None,
         "linear_kernels": "torch" if chunked else None,
-        "dims": {n: (spec.dims.get(n) or n) for n in names},
+        "dims": {n: (spec.dims.get(n) or n) for n in names if n not in spec.derived},
+        "derived": {k: list(v) for k, v in spec.derived.items()},
         "fixed": spec.fixed,
-        "holds_when": list(spec.holds_when),
+        "holds_when": list(spec.conditions(packing)),
         "layer_types": layer_types,
         "chunk_size": DELTA_RULE_CHUNK if chunked else None,
         "design_points": len(pts),
@@ -104,20 +114,33 @@ def derive(arch: str, packing: str = "documents", log=print) -> dict[str, Any]:
     }
     # held-out check: every event's size and the peak, at points outside the design
     checks = []
-    for p in held_out(spec):
+    for p in held_out(spec, packing):
         tr = trace_at(spec, p, packing)
         types = [pc.name.removeprefix("layer:") for pc in tr.pieces if pc.name.startswith("layer:")]
         run = programs.evaluate(prog, {k: v for k, v in p.items() if k != "seq"}, p["seq"], types)
-        got = [e.nbytes for e in run.events if e.kind == "alloc"]
-        want = [e.nbytes for e in tr.flat() if hasattr(e, "nbytes")]
-        if got != want or run.peak != tr.peak:
-            raise FitError(f"{arch}: the program disagrees with a trace at held-out {p}: peak {run.peak} vs "
-                           f"{tr.peak}, {sum(a != b for a, b in zip(got, want))} allocations differ, "
-                           f"{len(got)} vs {len(want)} allocations")
-        checks.append({"point": p, "peak": tr.peak, "allocations": len(want)})
+        problem = disagreement(run, tr)
+        if problem:
+            raise FitError(f"{arch}/{packing}: the program disagrees with a trace at held-out {p}: {problem}")
+        allocations = sum(isinstance(e, Alloc) for e in tr.flat())
+        checks.append({"point": p, "peak": tr.peak, "allocations": allocations})
     prog["held_out"] = checks
     log(f"{arch}/{packing}: exact at {len(checks)} held-out points")
     return prog
+
+
+def disagreement(run: programs.Run, tr: Trace) -> str | None:
+    """None when the program's allocations and peak are the trace's, byte for byte; else what differs (the
+    first allocations that differ, each with the program's label and the trace's op, module and shape)."""
+    got = [e for e in run.events if e.kind == "alloc"]
+    want = [e for e in tr.flat() if isinstance(e, Alloc)]
+    diff = [i for i, (a, b) in enumerate(zip(got, want)) if a.nbytes != b.nbytes]
+    if not diff and len(got) == len(want) and run.peak == tr.peak:
+        return None
+    shown = "; ".join(f"allocation {i}: program {got[i].nbytes} B ({got[i].label}), trace {want[i].nbytes} B "
+                      f"({want[i].op} in {want[i].module or 'the piece'}, shape {list(want[i].shape)})"
+                      for i in diff[:3])
+    return (f"peak {run.peak} vs {tr.peak}, {len(diff)} allocations differ, {len(got)} vs {len(want)} "
+            f"allocations" + (f"; {shown}" if shown else ""))
 
 
 def write(prog: dict[str, Any]) -> Path:

@@ -44,23 +44,62 @@ def eval_poly(poly: Poly, values: dict[str, int]) -> Fraction:
 
 
 def fit_poly(points: list[dict[str, int]], ys: list[int], names: list[str]) -> Poly | None:
-    """The polynomial of degree <= 2 in `names` through every (point, y), or None."""
+    """The simplest polynomial of degree <= 2 in `names` through every (point, y), or None.
+
+    Simplest first: a constant, one monomial, two monomials, then every monomial at once (least squares). The
+    design has fewer points than there are monomials once derived dims are in (kv groups, chunks): a dense fit
+    would find some polynomial through the design that is wrong elsewhere; the sparse one is the rule the code
+    computes (a shape entry is a dim, a product of two, or a dim plus a constant)."""
     if all(y == ys[0] for y in ys):
         return [[ys[0], 1]] if ys[0] else []
     mons = monomials(names)
     a = np.array([[float(np.prod([p[n] for n in m])) if m else 1.0 for m in mons] for p in points])
     y = np.array(ys, dtype=float)
+    for poly in _sparse_fits(a, y, mons):
+        if all(eval_poly(poly, p) == yy for p, yy in zip(points, ys)):
+            return poly
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    poly = _rational(zip(mons, coef))
+    if poly is not None and all(eval_poly(poly, p) == yy for p, yy in zip(points, ys)):
+        return poly
+    return None
+
+
+def _rational(terms) -> Poly | None:
     poly: Poly = []
-    for m, c in zip(mons, coef):
+    for m, c in terms:
         fr = Fraction(float(c)).limit_denominator(256)
         if fr != 0 and abs(float(fr) - c) < 1e-6 * max(1.0, abs(c)):
             poly.append([fr.numerator, fr.denominator, *m])
         elif abs(c) > 1e-6:
             return None
-    if all(eval_poly(poly, p) == yy for p, yy in zip(points, ys)):
-        return poly
-    return None
+    return poly
+
+
+def _sparse_fits(a: np.ndarray, y: np.ndarray, mons: list[tuple[str, ...]]):
+    """Candidate polynomials of one, then two monomials that pass through every point in floating point, lowest
+    degree first (the caller checks each exactly)."""
+    scale = max(1.0, float(np.abs(y).max()))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c1 = (a * y[:, None]).sum(0) / (a * a).sum(0)
+        err1 = np.abs(a * c1 - y[:, None]).max(0)
+    for i in sorted(np.flatnonzero(err1 < 1e-6 * scale), key=lambda i: len(mons[i])):
+        poly = _rational([(mons[i], c1[i])])
+        if poly:
+            yield poly
+    g = a.T @ a
+    b = a.T @ y
+    with np.errstate(divide="ignore", invalid="ignore"):
+        det = np.outer(np.diag(g), np.diag(g)) - g * g
+        ci = (np.diag(g)[None, :] * b[:, None] - g * b[None, :]) / det  # coefficient of monomial i in pair (i, j)
+        cj = (np.diag(g)[:, None] * b[None, :] - g * b[:, None]) / det
+        err = np.abs(a[:, :, None] * ci[None] + a[:, None, :] * cj[None] - y[:, None, None]).max(0)
+    ok = [(i, j) for i, j in zip(*np.nonzero(err < 1e-6 * scale))
+          if i < j and abs(det[i, j]) > 1e-9 * g[i, i] * g[j, j]]
+    for i, j in sorted(ok, key=lambda ij: (len(mons[ij[0]]) + len(mons[ij[1]]), ij)):
+        poly = _rational([(mons[i], ci[i, j]), (mons[j], cj[i, j])])
+        if poly:
+            yield poly
 
 
 def poly_text(poly: Poly) -> str:
