@@ -6,6 +6,7 @@ written (docs/memory-programs.md).
 
     python tools/derive_programs.py                     # every arch, packing documents and mask
     python tools/derive_programs.py --arch qwen3 --packing documents
+    python tools/derive_programs.py --arch qwen3_5 --cache /tmp/traces   # reuse traces when refitting
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -25,12 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", action="append", choices=sorted(ARCHS), help="repeatable; default: all")
     ap.add_argument("--packing", action="append", choices=("documents", "mask"), help="repeatable; default: both")
+    ap.add_argument("--cache", type=Path, help="keep each trace here and reuse it (a refit costs no new trace)")
     args = ap.parse_args(argv)
     failed = 0
     for arch in args.arch or sorted(ARCHS):
         for packing in args.packing or ("documents", "mask"):
             try:
-                path = write(derive(arch, packing))
+                path = write(derive(arch, packing, cache=args.cache))
             except FitError as e:
                 print(f"{arch}/{packing}: not derived: {e}", file=sys.stderr)
                 failed += 1

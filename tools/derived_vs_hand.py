@@ -1,7 +1,10 @@
-"""Compare the derived Qwen3.5 program with the hand-written one (models/qwen3_5.py) at one layer of each type.
+"""Compare the derived Qwen3.5 program with the hand-written one (models/qwen3_5.py, ops/costs.py) and MemTracker.
 
-Both are the body forward's workspace: the live-bytes peak above the input hidden state [seq, hidden]
-(bf16, sdpa on CPU = attention "cpu_flash", use_cache=False), for packing documents and mask.
+Two measures, bf16, sdpa on CPU (attention "cpu_flash"), use_cache=False, packing documents and mask:
+- per layer type, the body forward's workspace: the live-bytes peak above the input hidden state [seq, hidden];
+- the causal LM's forward over four layers (three linear attention, one full), logits included: the hand
+  program `check` uses (ops/costs.py _body_steps, its attention switched from CUDA flash to cpu_flash to match),
+  the derived program and torch's MemTracker over fake tensors (the truth both are judged by).
 
     python tools/derived_vs_hand.py                       # the test suite's SMALL config and v_dim != k_dim
     python tools/derived_vs_hand.py --seq 4096
@@ -46,6 +49,37 @@ def compare(cfg: dict, seq: int, packing: str) -> list[tuple[str, int, int]]:
     return out
 
 
+def causal_lm(cfg: dict, seq: int, packing: str) -> tuple[int, int, int]:
+    """(hand, derived, MemTracker) activation peaks of the causal LM's forward over four layers."""
+    from dflash_graph.models.trace.archs import ARCHS
+    from dflash_graph.models.trace.memtrack import memtracker_peak
+    from dflash_graph.ops import costs
+
+    types = ["linear_attention"] * 3 + ["full_attention"]
+    d = Q.Qwen35Dims.from_config(dict(cfg, num_hidden_layers=4, layer_types=types)).with_forward(
+        "sdpa", packing, "torch")
+    kw = Q.forward_kwargs
+    Q.forward_kwargs = lambda d: dict(kw(d), attention="cpu_flash")  # the derived programs are of CPU kernels
+    try:
+        costs._body_steps.cache_clear()
+        steps = costs._body_steps(d, seq, 2, frozenset(), False, seq * cfg["vocab_size"] * 2, False)
+    finally:
+        Q.forward_kwargs = kw
+        costs._body_steps.cache_clear()
+    live, size, hand = 0, {}, 0
+    for kind, key, n in steps:
+        if kind == "alloc":
+            size[key] = n
+            live += n
+            hand = max(hand, live)
+        else:
+            live -= size.pop(key)
+    dims = {k: cfg[v] for k, v in DIMS.items()}
+    derived = programs.evaluate(programs.load("qwen3_5", packing=packing), dims, seq, types).peak
+    measured = memtracker_peak(ARCHS["qwen3_5"], dict(dims, seq=seq), packing, layer_types=types)
+    return hand, derived, measured
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=2000)
@@ -55,6 +89,14 @@ def main(argv=None) -> int:
         for packing in ("documents", "mask"):
             for t, derived, hand in compare(cfg, args.seq, packing):
                 print(f"{name:14s} {packing:9s} {t:17s} {derived:12d} {hand:12d} {hand / derived:12.4f}")
+    print()
+    print(f"{'config':14s} {'packing':9s} {'causal LM, 4 layers':19s} {'hand':>12s} {'derived':>12s} "
+          f"{'MemTracker':>12s} {'hand/MT':>8s} {'derived/MT':>10s}")
+    for name, cfg in CONFIGS.items():
+        for packing in ("documents", "mask"):
+            hand, derived, measured = causal_lm(cfg, args.seq, packing)
+            print(f"{name:14s} {packing:9s} {'':19s} {hand:12d} {derived:12d} {measured:12d} "
+                  f"{hand / measured:8.4f} {derived / measured:10.6f}")
     return 0
 
 

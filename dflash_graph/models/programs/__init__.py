@@ -72,9 +72,12 @@ _COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a
 
 
 def holds(condition: str, values: dict[str, int]) -> bool:
-    """Whether a program's condition ("<a> <op> <b>", each side a dim or an integer; op one of == != <= >= < >)
-    holds for these dims. A program holds only where transformers runs the code it was traced with."""
-    a, op, b = condition.split()
+    """Whether a program's condition holds for these dims: "<a> <op> <b>" or "<a> % <n> <op> <b>", each side a dim
+    or an integer, op one of == != <= >= < >. A program holds only where transformers runs the code it was
+    traced with."""
+    words = condition.split()
+    if len(words) not in (3, 5) or (len(words) == 5 and words[1] != "%"):
+        raise ProgramError(f"the condition {condition!r} is not '<a> <op> <b>' or '<a> % <n> <op> <b>'")
 
     def side(x: str) -> int:
         if x.lstrip("-").isdigit():
@@ -83,9 +86,11 @@ def holds(condition: str, values: dict[str, int]) -> bool:
             raise ProgramError(f"the condition {condition!r} names {x!r}, not a dim of the program")
         return values[x]
 
+    a = side(words[0]) % side(words[2]) if len(words) == 5 else side(words[0])
+    op, b = words[-2], side(words[-1])
     if op not in _COMPARE:
         raise ProgramError(f"the condition {condition!r}: unknown comparison {op!r} (one of {' '.join(_COMPARE)})")
-    return _COMPARE[op](side(a), side(b))
+    return _COMPARE[op](a, b)
 
 
 def derived_values(derived: dict[str, list], values: dict[str, int]) -> dict[str, int]:
@@ -181,7 +186,7 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
     broken = [c for c in program.get("holds_when", ()) if not holds(c, values)]
     if broken:
         cond = broken[0]
-        shown = ", ".join(f"{n} = {values[n]}" for n in cond.split()[::2] if n in values)
+        shown = ", ".join(f"{n} = {values[n]}" for n in dict.fromkeys(cond.split()) if n in values)
         raise ProgramError(f"the stored {program['key']['arch']} program (packing {program['key']['packing']}) holds "
                            f"when {cond}, and here {shown}: transformers runs other code; a program for this config "
                            f"must be derived (python tools/derive_programs.py, later `dflash-graph trace-model "

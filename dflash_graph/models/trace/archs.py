@@ -53,14 +53,17 @@ class ArchSpec:
             return False
         return all(holds(c, values) for c in self.conditions(packing))
 
-    def config(self, values: dict[str, int], attn: str = "sdpa"):
+    def config(self, values: dict[str, int], attn: str = "sdpa", layers: list[str] | None = None):
+        """transformers' config at these dims; `layers`: the layer types in order (an arch with one layer type:
+        that many layers), default the traced layers (two for an arch with one type)."""
         import transformers
 
         kw = {self.dims[k]: v for k, v in values.items() if k in self.dims}
         kw.update(self.fixed)
-        kw["num_hidden_layers"] = len(self.layers) if self.layers else 2
+        layers = list(layers or self.layers or ("decoder", "decoder"))
+        kw["num_hidden_layers"] = len(layers)
         if self.layers:
-            kw["layer_types"] = list(self.layers)
+            kw["layer_types"] = layers
         cfg = getattr(transformers, self.config_cls)(**kw, attn_implementation=attn)
         if hasattr(cfg, "_experts_implementation") and self.arch.endswith("moe"):
             # what PreTrainedModel sets when the config leaves it None (modeling_utils
@@ -124,7 +127,10 @@ ARCHS: dict[str, ArchSpec] = {
              moe_intermediate=(56, 72)),
         fixed={"tie_word_embeddings": False, "attention_bias": False, "norm_topk_prob": True,
                "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False},
-        valid=_gqa),
+        valid=_gqa,
+        # torch._grouped_mm wants each row of its inputs ([tokens, hidden], [tokens, moe_intermediate]) a multiple
+        # of 16 bytes: 8 bf16 elements (transformers' grouped_mm experts fail otherwise; real configs hold)
+        holds_when=("hidden % 8 == 0", "moe_intermediate % 8 == 0")),
     "qwen3_5": ArchSpec(
         "qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
         dict(_DENSE_DIMS, lin_k_heads="linear_num_key_heads", lin_v_heads="linear_num_value_heads",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import time
 from pathlib import Path
@@ -69,30 +70,47 @@ def held_out(spec: ArchSpec, packing: str, n: int = 3, seed: int = 0) -> list[di
     return out
 
 
-def trace_at(spec: ArchSpec, point: dict[str, int], packing: str) -> Trace:
+def trace_at(spec: ArchSpec, point: dict[str, int], packing: str, cache: Path | None = None,
+             layers: list[str] | None = None) -> Trace:
     """One traced forward at `point`; a config transformers refuses is a FitError naming the point (the arch
-    entry's `valid` should have skipped it: the fix is there)."""
+    entry's `valid` should have skipped it: the fix is there). With `cache`, a trace taken before under the same
+    transformers and torch is read back instead (a refit after changing the fitter costs no new trace)."""
+    if cache is not None:
+        name = "-".join(f"{k}{v}" for k, v in sorted(point.items())) + ("-" + "-".join(layers) if layers else "")
+        path = cache / f"{spec.arch}-{packing}-tf{transformers.__version__}-torch{torch.__version__}" / f"{name}.pkl"
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        tr = trace_at(spec, point, packing, layers=layers)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(tr))
+        return tr
     try:
-        cfg = spec.config({k: v for k, v in point.items() if k != "seq"})
+        cfg = spec.config({k: v for k, v in point.items() if k != "seq"}, layers=layers)
     except Exception as e:  # transformers' config validation: ValueError, TypeError, StrictDataclass errors
         raise FitError(f"{spec.arch}: transformers' {spec.config_cls} refuses the point {point}: "
                        f"{type(e).__name__}: {' '.join(str(e).split())[:400]}; make the arch entry's "
                        f"`valid` (models/trace/archs.py) skip such points") from e
-    return trace_causal_lm(spec.model_class(), cfg, point["seq"], packing=packing)
+    try:
+        return trace_causal_lm(spec.model_class(), cfg, point["seq"], packing=packing)
+    except Exception as e:  # a kernel's or a module's check (torch._grouped_mm's alignment, ...)
+        raise FitError(f"{spec.arch}/{packing}: transformers' {spec.model_cls} fails at the point {point}: "
+                       f"{type(e).__name__}: {' '.join(str(e).split())[:400]}; a program holds only where the "
+                       f"forward runs: add the condition to the arch entry's `holds_when` or `valid` "
+                       f"(models/trace/archs.py)") from e
 
 
 def program_dims(spec: ArchSpec, point: dict[str, int]) -> dict[str, int]:
     return spec.with_derived(point)
 
 
-def derive(arch: str, packing: str = "documents", log=print) -> dict[str, Any]:
+def derive(arch: str, packing: str = "documents", log=print, cache: Path | None = None) -> dict[str, Any]:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     spec = ARCHS[arch]
     chunked = "chunks" in spec.derived
     names = spec.names()
     pts = design(spec, packing)
     t0 = time.time()
-    traces = [(program_dims(spec, p), trace_at(spec, p, packing)) for p in pts]
+    traces = [(program_dims(spec, p), trace_at(spec, p, packing, cache)) for p in pts]
     log(f"{arch}/{packing}: {len(traces)} traces in {time.time() - t0:.0f} s")
     fitted = fit_program(arch, traces, names)
     layer_types = list(dict.fromkeys(n.removeprefix("layer:") for n in fitted["order"] if n.startswith("layer:")))
@@ -114,15 +132,21 @@ def derive(arch: str, packing: str = "documents", log=print) -> dict[str, Any]:
     }
     # held-out check: every event's size and the peak, at points outside the design
     checks = []
-    for p in held_out(spec, packing):
-        tr = trace_at(spec, p, packing)
+    # the last point is traced with the layers in another order and number than the design's (a layer type
+    # first, twice in a row, last): the program must compose layers as transformers runs them
+    composed = list(reversed(spec.layers)) + list(spec.layers) if spec.layers else ["decoder"] * 3
+    points = held_out(spec, packing)
+    for i, p in enumerate(points):
+        layers = composed if i == len(points) - 1 else None
+        tr = trace_at(spec, p, packing, cache, layers=layers)
         types = [pc.name.removeprefix("layer:") for pc in tr.pieces if pc.name.startswith("layer:")]
         run = programs.evaluate(prog, {k: v for k, v in p.items() if k != "seq"}, p["seq"], types)
         problem = disagreement(run, tr)
         if problem:
-            raise FitError(f"{arch}/{packing}: the program disagrees with a trace at held-out {p}: {problem}")
+            raise FitError(f"{arch}/{packing}: the program disagrees with a trace at held-out {p}, layers {types}: "
+                           f"{problem}")
         allocations = sum(isinstance(e, Alloc) for e in tr.flat())
-        checks.append({"point": p, "peak": tr.peak, "allocations": allocations})
+        checks.append({"point": p, "layers": types, "peak": tr.peak, "allocations": allocations})
     prog["held_out"] = checks
     log(f"{arch}/{packing}: exact at {len(checks)} held-out points")
     return prog

@@ -233,7 +233,10 @@ def fit_program(arch: str, traces: list[tuple[dict[str, int], Trace]], names: li
         if [p["name"] for p in sp] != order:
             raise FitError(f"{arch}: the pieces of the trace at {v} differ from the first trace's")
     templates: dict[str, dict[str, Any]] = {}
-    unique = {n for n in order if order.count(n) == 1}
+    # pieces that occur once in any forward; a layer type traced once is not one of them: in another composition
+    # it repeats, so where its exports die is relative to it (an offset), never a named piece (its output dies
+    # after the next layer, or after the norm when it is last: three pieces later either way)
+    unique = {n for n in order if order.count(n) == 1 and not n.startswith("layer:")}
     for name in dict.fromkeys(order):
         positions = [i for i, n in enumerate(order) if n == name]
         samples = [(v, sp[i]) for v, sp in splits for i in positions]

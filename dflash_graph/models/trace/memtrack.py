@@ -62,7 +62,9 @@ def memtracker_peak(spec: ArchSpec, point: dict[str, int], packing: str,
     if packing == "mask":
         kw["position_ids"] = fake.from_tensor(packed_positions(point["seq"], 4))
     mt = MemTracker()
-    mt.track_external(model)
+    # the inputs are the caller's, as the recorder has them (MemTracker would count an input's storage as an
+    # activation from the first view an op makes of it: position_ids under packing "mask")
+    mt.track_external(model, *[v for v in kw.values() if isinstance(v, torch.Tensor)])
     with packing_as_run(packing == "mask"), fake, torch.no_grad(), mt:
         (model.model if body else model)(**kw)
     snap = mt.get_tracker_snapshot("peak")
