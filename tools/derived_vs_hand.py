@@ -34,6 +34,10 @@ CONFIGS = {
     "v_dim!=k_dim": {"vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
                      "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
                      "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 64},
+    # a vocabulary large enough that the peak is at the logits (where the issue's [seq, seq] mask error shows)
+    "vocab 32000": {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32},
 }
 
 
