@@ -132,6 +132,23 @@ from dflash_graph.models.trace.derive import disagreement, held_out, trace_at  #
 from dflash_graph.models.trace.memtrack import REALISTIC, compare, memtracker_peak  # noqa: E402
 
 
+def test_a_quotient_of_dims_is_fitted_in_a_derived_dim():
+    """repeat_kv's [1, kv_heads, groups, seq, head_dim]: groups = heads / kv_heads is no polynomial in heads and
+    kv_heads (a degree-2 fit through the design was wrong at held-out sizes); with the derived dim the simplest
+    fit is the dim itself, though the design has fewer points than monomials."""
+    from dflash_graph.models.trace.derive import design, program_dims
+
+    spec = ARCHS["qwen3"]
+    pts = [program_dims(spec, p) for p in design(spec, "mask")]
+    assert len(pts) < len(fit.monomials(spec.names()))
+    poly = fit.fit_poly(pts, [p["heads"] // p["kv_heads"] for p in pts], spec.names())
+    assert fit.poly_text(poly) == "groups"
+    far = spec.with_derived({"heads": 40, "kv_heads": 5})
+    assert fit.eval_poly(poly, far) == far["heads"] // far["kv_heads"]
+    with pytest.raises(programs.ProgramError, match="groups = heads / kv_heads must be a whole number"):
+        programs.derived_values({"groups": ["div", "heads", "kv_heads"]}, {"heads": 12, "kv_heads": 5})
+
+
 @pytest.mark.parametrize("key", STORED, ids=[_id(k) for k in STORED])
 def test_program_peak_equals_memtracker_at_held_out_sizes(key):
     """Every stored program, at a point outside its design and its own held-out points: each allocation's size
@@ -181,6 +198,17 @@ def test_a_config_transformers_refuses_is_a_fit_error():
     with pytest.raises(fit.FitError, match=r"LlamaConfig refuses the point .*'hidden': 50.*not a multiple.*`valid`"):
         trace_at(spec, dict(spec.base, hidden=50), "documents")
     assert not spec.admits(dict(spec.base, hidden=50), "documents")
+
+
+def test_a_forward_that_fails_at_a_point_is_a_fit_error():
+    """torch._grouped_mm wants rows of 16 bytes: Qwen3-MoE at hidden 49 (bf16) fails inside the forward; the
+    tracer names the point and where the condition goes, and the arch entry keeps such points out."""
+    spec = ARCHS["qwen3_moe"]
+    bad = dict(spec.base, hidden=49, seq=16)
+    with pytest.raises(fit.FitError, match=r"Qwen3MoeForCausalLM fails at the point .*'hidden': 49.*16 bytes.*"
+                                           r"`holds_when`"):
+        trace_at(spec, bad, "documents")
+    assert not spec.admits(bad, "documents") and spec.admits(dict(bad, hidden=56), "documents")
 
 
 def test_conditions_of_a_program():
