@@ -127,12 +127,16 @@ def _poly(poly: list[list], values: dict[str, int]) -> int:
 def _expand(piece: dict[str, Any], values: dict[str, int]) -> list[tuple[str, str, int, str]]:
     """A piece's own events: ("a", id, nbytes, label) / ("f", id, 0, "")."""
     out: list[tuple[str, str, int, str]] = []
+    sized: dict[int, tuple[int, str]] = {}  # an event's size and label, once per piece (a loop repeats its body)
 
     def alloc(ev: dict[str, Any], ident: str) -> None:
-        n = ev["itemsize"]
-        for p in ev["shape"]:
-            n *= _poly(p, values)
-        out.append(("a", ident, n, f"{ev['module'] or '-'} {ev['op']} {ev['shape_text']} {ev['dtype']}"))
+        if id(ev) not in sized:
+            n = ev["itemsize"]
+            for p in ev["shape"]:
+                n *= _poly(p, values)
+            sized[id(ev)] = n, f"{ev['module'] or '-'} {ev['op']} {ev['shape_text']} {ev['dtype']}"
+        n, label = sized[id(ev)]
+        out.append(("a", ident, n, label))
 
     for ev in piece["head"]:
         alloc(ev, ev["alloc"]) if "alloc" in ev else out.append(("f", ev["f"], 0, ""))
@@ -194,7 +198,9 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
     pieces = sequence(program, layer_types)
     if upto != "end" and upto not in pieces:
         raise ProgramError(f"upto must be a piece of the forward, one of {sorted(set(pieces))}")
-    expanded = [_expand(program["pieces"][name], values) for name in pieces]
+    # every instance of a piece has the same own events for these dims: expand each piece once
+    once = {name: _expand(program["pieces"][name], values) for name in dict.fromkeys(pieces)}
+    expanded = [once[name] for name in pieces]
     # cross-piece frees: each export of a piece dies in a later piece, at a position among that piece's own events
     scheduled: dict[tuple[int, int], list[str]] = {}
     for i, name in enumerate(pieces):
