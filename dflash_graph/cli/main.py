@@ -13,6 +13,7 @@ EXAMPLES = """examples:
   dflash-graph check graphs/qwen27b.toml --no-rewrite    # the graph exactly as written
   dflash-graph check graphs/tiny.toml --json --set dims.seq=512
   dflash-graph run graphs/tiny.toml                      # train the embedded tiny default on CPU
+  dflash-graph launch --nproc-per-node 3 run graphs/tiny.toml --out runs/tiny-torchrun   # one process per rank
   dflash-graph eval graphs/tiny.toml --checkpoint runs/tiny   # speculative decoding: measured acceptance length
   dflash-graph export runs/tiny --out runs/tiny/hf       # the drafter in the DFlash format SGLang loads
   dflash-graph prove                                     # prove every rewrite rule for all sizes (z3)
@@ -102,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
                                                                "is set)")
     r.add_argument("--tensorboard", metavar="DIR", help="also log loss, tau, accuracy, lr and memory to TensorBoard "
                                                         "(torch.utils.tensorboard.SummaryWriter; needs tensorboard)")
+    sub.add_parser("launch", add_help=False,
+                   help="run under torchrun, one process per rank: Ctrl-C exits 130, a failed rank its own status",
+                   usage="dflash-graph launch [TORCHRUN FLAGS] run GRAPH [RUN FLAGS]  (see: dflash-graph launch --help)")
     ev = sub.add_parser("eval", help="speculative decoding with the trained drafter: acceptance length, speed, lossless",
                        description="Decode held-out prompts with the target and the trained drafter (greedy "
                                    "verification, the graph's block size) and with the target alone; report the "
@@ -189,7 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     ap = parser()
-    args, unknown = ap.parse_known_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["launch"]:   # torchrun's flags, then a command: split by torchrun's own parser (cli/torchrun.py)
+        args, unknown = argparse.Namespace(cmd="launch", launch=given[1:]), []
+    else:
+        args, unknown = ap.parse_known_args(argv)
     if unknown:
         return _unknown_flags(ap, argv, unknown)
     if args.cmd is None:
@@ -211,6 +219,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "run":
             from .run import cmd_run
             return cmd_run(args)
+        if args.cmd == "launch":
+            from .torchrun import cmd_launch
+            return cmd_launch(args.launch)
         if args.cmd in ("eval", "export"):
             from . import evaluate
             return evaluate.cmd_eval(args) if args.cmd == "eval" else evaluate.cmd_export(args)
