@@ -498,3 +498,129 @@ def test_a_bad_corpus_under_torchrun_is_one_error_and_no_internal_error(in_repo,
     writer = [ln for ln in out.splitlines() if ln.startswith("dflash-graph: rank 2 (draft) stops")]
     assert len(writer) == 1 and f"stopped the run: {bad}:301: error: not valid JSON" in writer[0], out
     assert "internal error" not in out and "exitcode  : 3" not in out, out
+
+
+# -- dflash-graph launch: torchrun in this process, ending with the ranks' status and one line, never a traceback ---
+
+def test_launch_gives_torchruns_flags_to_torchrun_and_the_rest_to_run():
+    """torchrun's own parser splits the command line, so a flag value that reads like a command (`--rdzv-id run`)
+    stays torchrun's; what follows the command goes to every rank unchanged, as `python -m dflash_graph run ...`."""
+    from dflash_graph.cli.torchrun import split
+
+    args, command = split(["--nnodes", "2", "--rdzv-id", "run", "--nproc-per-node=3", "run", "graphs/tiny.toml",
+                           "--out", "runs/x", "--set", "dims.seq=64"])
+    assert (args.nnodes, args.rdzv_id, args.nproc_per_node) == ("2", "run", "3")
+    assert command == ["run", "graphs/tiny.toml", "--out", "runs/x", "--set", "dims.seq=64"]
+    assert (args.module, args.no_python, args.training_script) == (True, False, "dflash_graph")
+    assert args.training_script_args == command
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--nproc-per-node", "3", "check", "graphs/tiny.toml"], "not `check` (`check` runs in one process"),
+    (["--nproc-per-node", "3", "-m", "run", "graphs/tiny.toml"], "-m is not a flag of launch"),
+    (["--nproc-per-node", "3", "run", "graphs/tiny.toml", "--stpes", "3"], "(did you mean --steps?)"),
+    (["--nproc-per-node", "3", "--no-such-flag", "run", "graphs/tiny.toml"], "unrecognized arguments: --no-such-flag"),
+])
+def test_a_launch_that_cannot_start_is_refused_once_before_any_rank(monkeypatch, capsys, argv, said):
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setattr(torchrun, "run", lambda args: pytest.fail("a rank was started"))
+    try:
+        code = main(["launch", *argv])
+    except SystemExit as e:          # a bad torchrun flag: torchrun's own parser says so (argparse, exit 2)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count(said) == 1, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_launcher_exits_128_plus_it_with_one_line(in_repo, monkeypatch, capsys, sig):
+    """torchrun raises SignalException once it has passed the signal on to the ranks and waited for them; launch
+    turns it into the shell's status for that signal (130 for Ctrl-C), with one line and no traceback."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(args):
+        assert args.training_script_args[:2] == ["run", "graphs/tiny.toml"]
+        raise SignalException(f"Process {os.getpid()} got signal: {int(sig)}", sigval=sig)
+
+    monkeypatch.setattr(torchrun, "run", stopped)
+    assert main(["launch", "--nproc-per-node", "3", "run", "graphs/tiny.toml"]) == 128 + int(sig)
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"dflash-graph launch: stopped by {sig.name}; every rank has exited "
+                                f"(exit {128 + int(sig)})"], err
+
+
+def _failure(rank, exitcode, at):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="<N/A>")
+    f.timestamp = at
+    return f
+
+
+@pytest.mark.parametrize("codes, status, said", [
+    ({0: 2, 1: 2}, 2, "rank 0 (pid 1000) exited 2"),                   # a refusal every rank reached
+    ({0: 4, 1: 2, 2: 4}, 2, "rank 1 (pid 1001) exited 2"),             # rank 1's own error, the others stopped
+    ({0: 4, 1: -9, 2: 4}, 4, "lost rank 1 (pid 1001): killed by SIGKILL"),
+    ({1: -9}, 4, "lost rank 1 (pid 1001): killed by SIGKILL"),          # seen before the others had stopped
+    ({0: 130, 1: 130, 2: 130}, 130, "rank 0 (pid 1000) exited 130"),   # kill -INT to one rank
+    ({0: 4, 2: 4}, 4, "rank 0 (pid 1000) stopped because another rank was lost"),
+])
+def test_a_failed_launch_exits_with_the_ranks_own_status_and_one_line(in_repo, monkeypatch, capsys, codes, status,
+                                                                      said):
+    """torchrun's ChildFailedError (its traceback and table) becomes the status of the rank that caused the stop;
+    the ranks finish in the same whole second, where torchrun's own root cause is simply the lowest rank."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    def failed(args):
+        raise ChildFailedError("dflash_graph", {k: _failure(k, c, at=100) for k, c in codes.items()})
+
+    monkeypatch.setattr(torchrun, "run", failed)
+    assert main(["launch", "--nproc-per-node", "3", "run", "graphs/tiny.toml"]) == status
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("dflash-graph launch: ") and said in err, err
+
+
+@contextmanager
+def launch_session(launch_args, run_args):
+    with session([sys.executable, "-m", "dflash_graph", "launch", *launch_args, "run", *run_args,
+                  "--no-progress"]) as p:
+        yield p
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_a_launch_exits_130_with_no_traceback(in_repo, tmp_path):
+    """Ctrl-C at a terminal under `dflash-graph launch`: SIGINT to the launcher and every rank. The writer's one
+    line says what was kept, the launcher's one line that every rank has exited; the status is 130."""
+    out = tmp_path / "run"
+    with launch_session(["--standalone", "--nproc-per-node", "3"], ["graphs/tiny.toml", "--steps", "500", "--out",
+                                                                     str(out)]) as p:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() < deadline, "the run never reached step 2"
+            time.sleep(0.2)
+        os.killpg(p.pid, signal.SIGINT)
+        text, _ = p.communicate(timeout=120)
+        assert session_gone(p.pid), "a process of the run is still alive"
+    assert p.returncode == 130, text
+    assert "Traceback" not in text and "SignalException" not in text, text
+    said = [ln for ln in text.splitlines() if ln.startswith(("interrupted", "dflash-graph"))]
+    assert len(said) == 2, text
+    assert said[0].startswith("interrupted: Ctrl-C (SIGINT, first seen by rank ") and "--resume" in said[0], text
+    assert said[1] == "dflash-graph launch: stopped by SIGINT; every rank has exited (exit 130)", text
+
+
+@pytest.mark.slow
+def test_a_launch_of_the_wrong_size_exits_2_with_the_refusal_once(in_repo, tmp_path):
+    with launch_session(["--standalone", "--nproc-per-node", "2"], ["graphs/tiny.toml", "--out",
+                                                                     str(tmp_path / "run")]) as p:
+        text, _ = p.communicate(timeout=240)
+    assert p.returncode == 2, text
+    assert text.count("torchrun started 2 processes, but the graph's devices map to 3 rank(s)") == 1, text
+    assert "Traceback" not in text and "ChildFailedError" not in text and "internal error" not in text, text
+    assert text.splitlines()[-1].startswith("dflash-graph launch: rank 0 (pid "), text
+    assert not (tmp_path / "run").exists()
