@@ -442,8 +442,8 @@ if __name__ == "__main__":
 
 
 def test_the_docs_torchrun_commands_run_after_the_quick_start(in_repo):
-    """The README's quick start writes runs/<graph name> (runs/tiny); a documented torchrun command without its own
-    --out would be refused right after it ('runs/tiny already holds a run')."""
+    """The README's quick start writes runs/<graph name> (runs/tiny); a documented torchrun or `dflash-graph launch`
+    command without its own --out would be refused right after it ('runs/tiny already holds a run')."""
     import re
 
     seen = 0
@@ -451,7 +451,7 @@ def test_the_docs_torchrun_commands_run_after_the_quick_start(in_repo):
         for block in re.findall(r"```(?:bash|console)\n(.*?)```", Path(doc).read_text(), re.S):
             lines = block.splitlines()
             for i, ln in enumerate(lines):
-                if "-m dflash_graph run graphs/tiny.toml" in ln:
+                if "-m dflash_graph run graphs/tiny.toml" in ln or re.search(r"dflash-graph launch .* run graphs/tiny", ln):
                     seen += 1
                     command = ln + (lines[i + 1] if ln.rstrip().endswith("\\") and i + 1 < len(lines) else "")
                     out = re.findall(r"--out (\S+)", command)

@@ -31,8 +31,8 @@ def _ranks_text(ranks: list[int]) -> str:
 def render_launch(typed) -> str:
     L: Launch = analyze_launch(typed)
     spec = typed.ctx.spec
-    lines = [f"launch: torchrun --nproc-per-node {L.world_size} -m dflash_graph run (one process per rank; "
-             f"{len(L.transfers)} send/recv per micro-batch over {L.backend}; without torchrun, one process runs "
+    lines = [f"launch: dflash-graph launch --nproc-per-node {L.world_size} run (torchrun, one process per rank; "
+             f"{len(L.transfers)} send/recv per micro-batch over {L.backend}; without a launch, one process runs "
              "every device)"]
     w = max(len(n) for n in L.devices) + 1
     lines.append(f"  {'device':<{w}} {'rank':>4} {'peers':<12} {'recv queue':>11} {'staging':>8} "

@@ -580,8 +580,8 @@ def check_launch(typed, launch: Launch, writers: set[int] | None = None) -> None
         ranks = ", ".join(f"{d}={launch.devices[d].rank}" for d in launch.devices)
         problems.append(Problem(
             f"torchrun started {world} processes, but the graph's devices map to {launch.world_size} rank(s) ({ranks})",
-            spec.loc("devices"), hint=f"launch with torchrun --nproc-per-node {launch.world_size} (one machine), or "
-                                      "declare `rank` on each device to share ranks"))
+            spec.loc("devices"), hint=f"launch with --nproc-per-node {launch.world_size} (dflash-graph launch or "
+                                      "torchrun, one machine), or declare `rank` on each device to share ranks"))
     if len(writers) > 1:
         problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writers)}; one rank must own "
                                 "all of them (it steps the optimizer and writes the checkpoints)", spec.loc("devices"),
