@@ -584,6 +584,29 @@ def test_a_failed_launch_exits_with_the_ranks_own_status_and_one_line(in_repo, m
     assert len(err.splitlines()) == 1 and err.startswith("dflash-graph launch: ") and said in err, err
 
 
+def test_a_rendezvous_that_fails_is_a_usage_error_not_a_traceback(in_repo, monkeypatch, capsys):
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    def unreachable(args):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr(torchrun, "run", unreachable)
+    assert main(["launch", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.9:29400", "run", "graphs/tiny.toml"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun could not start the ranks: RendezvousConnectionError" in err and "--rdzv-endpoint" in err, err
+    assert "Traceback" not in err and "internal error" not in err
+
+
+def test_run_help_under_launch_is_printed_once_and_starts_no_rank(monkeypatch, capsys):
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setattr(torchrun, "run", lambda args: pytest.fail("a rank was started"))
+    with pytest.raises(SystemExit) as e:
+        main(["launch", "--nproc-per-node", "3", "run", "--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.count("usage: dflash-graph run") == 1
+
+
 @contextmanager
 def launch_session(launch_args, run_args):
     with session([sys.executable, "-m", "dflash_graph", "launch", *launch_args, "run", *run_args,
@@ -614,7 +637,6 @@ def test_ctrl_c_to_a_launch_exits_130_with_no_traceback(in_repo, tmp_path):
     assert said[1] == "dflash-graph launch: stopped by SIGINT; every rank has exited (exit 130)", text
 
 
-@pytest.mark.slow
 def test_a_launch_of_the_wrong_size_exits_2_with_the_refusal_once(in_repo, tmp_path):
     with launch_session(["--standalone", "--nproc-per-node", "2"], ["graphs/tiny.toml", "--out",
                                                                      str(tmp_path / "run")]) as p:
