@@ -220,8 +220,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
             from .run import cmd_run
             return cmd_run(args)
         if args.cmd == "launch":
-            from .torchrun import cmd_launch
-            return cmd_launch(args.launch)
+            from . import torchrun
+            try:
+                targs, command = torchrun.split(args.launch, ap.subcommands)
+            except torchrun.LaunchUsage as e:
+                print(e, file=sys.stderr)
+                return 2
+            _, unknown = ap.parse_known_args(command)   # a bad `run` flag: refused once here, not once per rank
+            if unknown:
+                return _unknown_flags(ap, command, unknown)
+            return torchrun.launch(targs)
         if args.cmd in ("eval", "export"):
             from . import evaluate
             return evaluate.cmd_eval(args) if args.cmd == "eval" else evaluate.cmd_export(args)

@@ -60,11 +60,12 @@ def help_parser() -> argparse.ArgumentParser:
     return p
 
 
-def split(argv: Sequence[str]):
+def split(argv: Sequence[str], commands=()):
     """torchrun's flags, parsed by torchrun's own parser, and the dflash-graph command after them.
 
     torchrun's parser knows which of its flags take a value, so `--rdzv-id run` stays torchrun's; its first
-    positional (the script it would start) is the dflash-graph command. Returns (torchrun's args set up to start
+    positional (the script it would start) is the dflash-graph command (`commands`: every dflash-graph command,
+    to say why another one is refused). Returns (torchrun's args set up to start
     `python -m dflash_graph COMMAND ...`, [COMMAND, *its args])."""
     from torch.distributed.run import get_args_parser
 
@@ -83,9 +84,7 @@ def split(argv: Sequence[str]):
                           f"  hint: drop {flag}, e.g. dflash-graph launch --nproc-per-node 3 run graphs/tiny.toml")
     command = [args.training_script, *args.training_script_args]
     if args.training_script not in COMMANDS:
-        from .main import parser
-
-        known = args.training_script in parser().subcommands
+        known = args.training_script in commands
         why = (f"`{args.training_script}` runs in one process: dflash-graph {args.training_script} ..."
                if known else f"`{args.training_script}` is not a dflash-graph command")
         raise LaunchUsage(f"dflash-graph launch: error: launch starts `dflash-graph run` on every rank, not "
@@ -135,19 +134,8 @@ def failure_status(failures) -> tuple[int, str]:
                        f"was lost (its reason is above); every rank has stopped")
 
 
-def cmd_launch(argv: Sequence[str]) -> int:
-    try:
-        args, command = split(argv)
-    except LaunchUsage as e:
-        print(e, file=sys.stderr)
-        return 2
-    from .main import parser, _unknown_flags
-
-    ap = parser()
-    _, unknown = ap.parse_known_args(command)   # a bad `run` flag: refused once here, not once per rank
-    if unknown:
-        return _unknown_flags(ap, command, unknown)
-
+def launch(args) -> int:
+    """Run torchrun with `args` (from `split`) and return the launch's exit status (module docstring)."""
     import logging
     import os
 
