@@ -182,7 +182,7 @@ def test_resume_accepts_other_memory_figures(in_repo, tmp_path):
 
     old = load_graph("graphs/qwen27b.toml", ["devices.gpu0.torch=cpu", "devices.gpu0.capacity=20GiB",
                                              "devices.gpu0.outside_allocator=0"])
-    rundir.record(tmp_path, old, ["dflash-graph", "run"], [], resumed=False)
+    rundir.record(tmp_path, old, ["dflash-graph", "run"], [], steps=int(old.train["steps"]))
     new = load_graph("graphs/qwen27b.toml", ["devices.gpu0.torch=cpu", "devices.gpu0.capacity=21GiB",
                                              "devices.gpu0.outside_allocator=0", "memory.host_memory=1TiB"])
     rundir.check_resume(tmp_path, new, [])

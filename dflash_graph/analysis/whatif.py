@@ -265,9 +265,14 @@ def max_dim(typed_at: Callable[[int, bool], Typed], typed0: Typed, name: str, al
                 hi -= step
                 step *= 2
             if hi - step < 1:
-                if not fits(1, full):
-                    return None, 1
-                lo = 1
+                # the smallest value at which the graph is valid (an op may need, say, block <= seq: below it the
+                # graph is refused, which is not an OOM), found by doubling from 1
+                low = 1
+                while not fits(low, full) and cache[(low, full)] is None and low * 2 < hi:
+                    low *= 2
+                if not fits(low, full):
+                    return None, low
+                lo = low
             else:
                 lo = hi - step
         while hi - lo > 1:
@@ -287,6 +292,9 @@ def max_dim(typed_at: Callable[[int, bool], Typed], typed0: Typed, name: str, al
             lo, hi = search(True)
             confirmed = lo is not None and hi == lo + 1
     next_oom = next_host = None
+    if lo is None and not note:
+        note = (f"the graph does not fit at the smallest {name} at which it is valid ({name}={hi:,}), nor at any "
+                f"value the search tried" if hi is not None else f"no value of {name} fits")
     if lo is not None:
         next_oom, next_host = _oom_at(typed_at(lo + 1, confirm), alloc)
     return MaxResult(name, x0, lo, live_bound, binding, next_oom, tuple(replays), confirmed, tuple(rough),
