@@ -17,10 +17,11 @@ from ..errors import GraphError, Location, Problem, did_you_mean, short
 from ..ir.dims import MAX_DIM, DimEnv, DimError, IntPoly
 from ..ir.graph import CycleError, Graph, Node, Ref
 from ..ir.types import Dim, TensorType
-from ..models.registry import ARCHS
+from ..models.registry import ARCHS, foreign_keys
 from ..ops import registry
 from ..ops.contract import BindContext, ContractError, OpDef, build as build_dims, dim_of, match
 from ..spec.document import GraphSpec, ModelSpec
+from .model_arch import resolve_archs
 
 
 @attrs.frozen
@@ -180,16 +181,16 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             problems.append(Problem(str(e), spec.loc("dims", name),
                                     hint="dims must be positive integers or expressions of other dims and model.config_key"))
     models: dict[str, ModelInfo] = {}
+    spec, found = resolve_archs(spec)   # NOTE [Arch from model_type]
+    problems += found
     for name, m in spec.models.items():
-        if m.arch not in ARCHS:
-            problems.append(Problem(f"unknown arch '{m.arch}'{did_you_mean(m.arch, list(ARCHS))}",
-                                    spec.loc("models", name, "arch"), hint="archs: " + ", ".join(ARCHS)))
+        if m.arch is None:
             continue
         problems += _unread_model_keys(spec, m)
         known = ARCHS[m.arch].config_keys
         for k in m.config:   # an inline config is checked key by key; a config.json only for keys --set added
             if m.config_file is None or (spec.lines.flag_of(("models", name, "config", k)) and k not in known):
-                if k not in known:
+                if k not in known and not foreign_keys(ARCHS[m.arch], {k: None}):   # those: resolve_archs
                     problems.append(Problem(f"unknown config key '{k}' for arch '{m.arch}'"
                                             f"{did_you_mean(k, sorted(known))}", spec.loc("models", name, "config", k),
                                             hint="valid keys: " + ", ".join(sorted(known))))

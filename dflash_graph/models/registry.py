@@ -15,9 +15,14 @@ class Arch:
     check would count gradients and AdamW state that run never makes)."""
 
     def __init__(self, name: str, module: str, dims_class: str, components: tuple[str, ...], doc: str,
-                 loads_weights: bool = False, trains: bool = False, assumptions: str | None = None):
+                 loads_weights: bool = False, trains: bool = False, assumptions: str | None = None,
+                 model_types: tuple[str, ...] = (), target: bool = True, label: str = ""):
         self.name, self._module, self._dims_class, self.components, self.doc = name, module, dims_class, components, doc
         self.loads_weights, self.trains, self._assumptions = loads_weights, trains, assumptions
+        # NOTE [Arch from model_type]: the HF `model_type` values a config of this arch carries (transformers'
+        # config classes' `model_type`). A target arch is found from them when a graph omits `arch`; a drafter
+        # arch is always declared (its config names the type of its layers, not what it is).
+        self.model_types, self.target, self.label = model_types, target, label or name
 
     def assumptions(self, dims: Any, declared: Mapping[str, Any]) -> dict[str, Any]:
         """What check assumes about how a model of this arch runs ({} for an arch that assumes nothing): per key
@@ -68,13 +73,81 @@ _PARAMS: dict[tuple[str, Any], dict[str, int]] = {}
 HF_RUNTIME_KEYS = frozenset({
     "model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "rms_norm_eps", "hidden_act",
     "max_position_embeddings", "initializer_range", "use_cache", "attention_dropout", "pad_token_id", "bos_token_id",
-    "eos_token_id", "rope_theta", "rope_scaling", "mlp_only_layers",
+    "eos_token_id", "rope_theta", "rope_scaling",
 })
 
 ARCHS: dict[str, Arch] = {
     "qwen3_5": Arch("qwen3_5", "dflash_graph.models.qwen3_5", "Qwen35Dims", ("embed", "layers", "norm", "lm_head"),
                     "Qwen3.5 / 3.6 text model (transformers Qwen3_5ForCausalLM).", loads_weights=True,
-                    assumptions="forward_assumptions"),
+                    assumptions="forward_assumptions", model_types=("qwen3_5", "qwen3_5_text"),
+                    label="Qwen3.5 / 3.6 dense"),
+    # a DFlash drafter's config.json (z-lab's, and the one `run` exports) says model_type "qwen3": its layers
     "dflash": Arch("dflash", "dflash_graph.models.dflash", "DFlashDims", ("fc", "hidden_norm", "layers"),
-                   "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`.", trains=True),
+                   "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`.", trains=True,
+                   model_types=("qwen3",), target=False, label="DFlash drafter"),
 }
+
+#: Targets issue 22 brings that dflash-graph does not model yet, by model_type (their arch names are the same,
+#: less a `_text` suffix): a graph that names one is refused with what is supported today, never "unknown".
+COMING: dict[str, str] = {
+    "qwen3": "Qwen3 dense: Qwen3-4B, Qwen3-8B",
+    "llama": "Llama 3: Llama-3.1-8B",
+    "qwen3_moe": "Qwen3-MoE: Qwen3-30B-A3B",
+    "qwen3_5_moe": "Qwen3.5 / 3.6 MoE: Qwen3.6-35B-A3B",
+    "qwen3_5_moe_text": "Qwen3.5 / 3.6 MoE: Qwen3.6-35B-A3B",
+    "qwen2": "Qwen2 / Qwen2.5",
+    "gpt_oss": "gpt-oss",
+}
+
+#: Config keys that only other families' configs carry (transformers 5.24's config classes, less the keys of
+#: Qwen3_5TextConfig and of the arch itself): a config holding one is another model's, whatever it says.
+FAMILY_KEYS: dict[str, frozenset[str]] = {
+    "qwen3": frozenset({"sliding_window", "use_sliding_window", "max_window_layers"}),
+    "qwen2": frozenset({"sliding_window", "use_sliding_window", "max_window_layers"}),
+    "llama": frozenset({"mlp_bias", "pretraining_tp"}),
+    "qwen3_moe": frozenset({"decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob",
+                            "num_experts", "num_experts_per_tok", "num_local_experts", "output_router_logits",
+                            "router_aux_loss_coef", "sliding_window", "use_sliding_window"}),
+    "gpt_oss": frozenset({"num_local_experts", "num_experts_per_tok", "output_router_logits",
+                          "router_aux_loss_coef", "sliding_window", "swiglu_alpha", "swiglu_limit"}),
+    "qwen3_5_moe_text": frozenset({"moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                                   "output_router_logits", "router_aux_loss_coef", "shared_expert_intermediate_size"}),
+}
+
+
+def target_arch_of(model_type: str) -> str | None:
+    """The modelled target arch whose configs carry this model_type, or None."""
+    return next((a.name for a in ARCHS.values() if a.target and model_type in a.model_types), None)
+
+
+def model_types_of(config: Mapping[str, Any]) -> list[tuple[tuple[str, ...], Any]]:
+    """Where a config names its model_type: (key path in the config, value), the top level's and a multimodal
+    config's text_config's."""
+    out = [(("model_type",), config["model_type"])] if "model_type" in config else []
+    text = config.get("text_config")
+    if isinstance(text, Mapping) and "model_type" in text:
+        out.append((("text_config", "model_type"), text["model_type"]))
+    return out
+
+
+def foreign_keys(arch: Arch, config: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Keys of `config` (and of its text_config) that only other families' configs carry: key -> those
+    families' model_types."""
+    own = frozenset().union(*(FAMILY_KEYS.get(t, frozenset()) for t in arch.model_types)) | arch.config_keys
+    keys = set(config)
+    if isinstance(config.get("text_config"), Mapping):
+        keys |= set(config["text_config"])
+    out: dict[str, list[str]] = {}
+    for fam, fk in FAMILY_KEYS.items():
+        for k in sorted((keys & fk) - own):
+            out.setdefault(k, []).append(fam)
+    return out
+
+
+def supported_text() -> str:
+    """The targets dflash-graph models, and those coming: what an error about an arch or model_type lists."""
+    have = "; ".join(f"arch '{a.name}' ({a.label}; model_type {' or '.join(a.model_types)})"
+                     for a in ARCHS.values() if a.target)
+    coming = ", ".join(dict.fromkeys(COMING))
+    return f"supported targets: {have}; coming (issue 22): {coming}"
+

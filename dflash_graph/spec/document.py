@@ -37,7 +37,7 @@ class LaunchSpec:
 @attrs.frozen
 class ModelSpec:
     name: str
-    arch: str
+    arch: str | None                   # None: from the config's model_type (analysis/model_arch.py)
     config: Mapping[str, Any]
     dtype: str
     trainable: bool

@@ -94,7 +94,10 @@ MEMORY = Section("memory", "How memory is predicted.", (
 ))
 
 MODEL = Section("models.<name>", "A model whose weights nodes use.", (
-    Key("arch", "str", "Architecture (see \"Model configs by arch\" below).", required=True),
+    Key("arch", "str", "Architecture (see \"Model configs by arch\" below). Absent: the target arch whose configs "
+        "carry the config's `model_type` (`qwen3_5`, `qwen3_5_text` -> `qwen3_5`); a drafter declares `dflash`. A "
+        "declared arch must match the config's `model_type`, and a config.json file must name one "
+        "(docs/guide.md, \"Supported targets\")."),
     Key("config", "str|table", "The model config: a path to a config.json (relative to this file) or an inline "
         "table of config keys. String values that are dim expressions are evaluated (`vocab_size = \"vocab\"`).",
         required=True),
