@@ -18,7 +18,8 @@ SCHEMA = ROOT / "docs" / "graph.schema.json"
 # fixtures whose error is one of format: a key, a type, a value out of a declared set (the rest are errors of
 # meaning that only inference finds: cycles, shapes, dtypes, references between nodes)
 FORMAT_ERRORS = {"bad_size", "empty", "missing_section", "unknown_arch", "unknown_config_key", "unknown_key",
-                 "unknown_op", "unknown_param", "zero_dim", "long_inline_value"}
+                 "unknown_op", "unknown_param", "zero_dim", "long_inline_value", "arch_coming", "foreign_config_key",
+                 "arch_omitted_unknown_model_type", "arch_omitted_no_model_type"}
 # not loadable by Python's tomllib at all (check reports them itself): junk, syntax, 500-deep nesting, an integer
 # over Python's 4,300-digit limit
 NOT_TOML = {"binary_junk", "syntax_error", "deep_nesting", "huge_integer"}

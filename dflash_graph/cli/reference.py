@@ -93,7 +93,8 @@ _PARAM_KIND = {"layer_ids": "list[int]"}
 
 def graph_json_schema() -> dict:
     """spec.schema.json_schema, refined by the registries: `op` is one of the registered ops and each op's params
-    are its declared ones; `arch` is one of the registered archs and an inline config has that arch's keys."""
+    are its declared ones; `arch` is one of the registered archs and an inline config has that arch's keys and
+    model_types (without `arch`, a target's model_type)."""
     from ..models.registry import ARCHS
     from ..ops import registry
 
@@ -125,8 +126,14 @@ def graph_json_schema() -> dict:
         {"if": {"properties": {"arch": {"const": name}}, "required": ["arch"]},
          "then": {"properties": {"config": {"oneOf": [
              {"type": "string"},
-             {"type": "object", "propertyNames": {"enum": sorted(arch.config_keys)}}]}}}}
+             {"type": "object", "propertyNames": {"enum": sorted(arch.config_keys)},
+              "properties": {"model_type": {"enum": list(arch.model_types)}}}]}}}}
         for name, arch in ARCHS.items()]
+    # no arch: an inline config names a target's model_type (NOTE [Arch from model_type])
+    targets = [t for a in ARCHS.values() if a.target for t in a.model_types]
+    model["allOf"].append({"if": {"not": {"required": ["arch"]}}, "then": {"properties": {"config": {"oneOf": [
+        {"type": "string"},
+        {"type": "object", "required": ["model_type"], "properties": {"model_type": {"enum": targets}}}]}}}})
     return js
 
 
