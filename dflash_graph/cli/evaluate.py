@@ -29,15 +29,9 @@ def run_record(d: Path) -> dict:
 
 def run_dir(path: str, flag: str) -> Path:
     """The run directory a flag names, refused before anything is built when it is not one."""
-    d = Path(path)
-    if not d.exists():
-        raise GraphError(Problem("no such directory", Location(flag=f"{flag} {d}"),
-                                 hint=f"{flag} takes the --out directory of a `dflash-graph run` (runs/<graph name> "
-                                      "unless --out named another)"))
-    if not d.is_dir():
-        raise GraphError(Problem("a file, not a run directory", Location(flag=f"{flag} {d}"),
-                                 hint=f"{flag} takes the --out directory of a `dflash-graph run`"))
-    return d
+    from ..train.checkpoint import run_directory
+
+    return run_directory(path, flag)
 
 
 def _plan(graph: str | None, overrides: list[str], ckpt: Path):

@@ -289,6 +289,22 @@ def newest_complete(dirpath: Path) -> tuple[int, Path] | None:
     return None if found is None else (int(found[0]["step"]), found[1])
 
 
+def run_directory(path: str | Path, flag: str) -> Path:
+    """The run directory (or one checkpoint) a flag names; a GraphError naming the flag when it is missing or a
+    file, before anything is built."""
+    from ..errors import GraphError, Location, Problem
+
+    d = Path(path)
+    if not d.exists():
+        raise GraphError(Problem("no such directory", Location(flag=f"{flag} {d}"),
+                                 hint=f"{flag} takes the --out directory of a `dflash-graph run` (runs/<graph name> "
+                                      "unless --out named another)"))
+    if not d.is_dir():
+        raise GraphError(Problem("a file, not a run directory", Location(flag=f"{flag} {d}"),
+                                 hint=f"{flag} takes the --out directory of a `dflash-graph run`"))
+    return d
+
+
 def is_checkpoint(d: Path) -> bool:
     """`d` is one checkpoint (a step directory, or the `checkpoint` link to one), not a run directory."""
     return (d / "manifest.json").is_file() or (d / "state.json").is_file()
@@ -300,13 +316,7 @@ def newest_good(dirpath: Path, flag: str, doing: str = "resuming from") -> Path:
     `flag` (how the user gave the directory), each checkpoint found and what is wrong with it."""
     from ..errors import GraphError, Location, Problem
 
-    if not dirpath.exists():
-        raise GraphError(Problem("no such directory", Location(flag=f"{flag} {dirpath}"),
-                                 hint=f"{flag} takes the --out directory of a `dflash-graph run` (runs/<graph name> "
-                                      "unless --out named another)"))
-    if not dirpath.is_dir():
-        raise GraphError(Problem("a file, not a run directory", Location(flag=f"{flag} {dirpath}"),
-                                 hint=f"{flag} takes the --out directory of a `dflash-graph run`"))
+    run_directory(dirpath, flag)
     one = is_checkpoint(dirpath)
     skipped = []
     for ck in [dirpath] if one else candidates(dirpath):

@@ -112,13 +112,19 @@ def derived_values(derived: dict[str, list], values: dict[str, int]) -> dict[str
     return out
 
 
-def _poly(poly: list[list], values: dict[str, int]) -> int:
+def poly_value(poly: list[list], values: dict[str, int]) -> Fraction:
+    """A stored polynomial's value: each term is [numerator, denominator, *dim names multiplied]."""
     total = Fraction(0)
     for term in poly:
         v = Fraction(term[0], term[1])
         for name in term[2:]:
             v *= values[name]
         total += v
+    return total
+
+
+def _poly(poly: list[list], values: dict[str, int]) -> int:
+    total = poly_value(poly, values)
     if total.denominator != 1:
         raise ProgramError(f"a size evaluates to {total}, not an integer, at {values}")
     return int(total)

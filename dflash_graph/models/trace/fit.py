@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..programs import poly_value
 from .record import Alloc, Free, Trace
 
 Poly = list[list]  # [[num, den, var, ...], ...]: sum of num/den * product of vars
@@ -33,14 +34,7 @@ def monomials(names: list[str]) -> list[tuple[str, ...]]:
     return out
 
 
-def eval_poly(poly: Poly, values: dict[str, int]) -> Fraction:
-    total = Fraction(0)
-    for term in poly:
-        v = Fraction(term[0], term[1])
-        for name in term[2:]:
-            v *= values[name]
-        total += v
-    return total
+eval_poly = poly_value   # the evaluator's own reading of a stored polynomial, so a fit is checked as it is used
 
 
 def fit_poly(points: list[dict[str, int]], ys: list[int], names: list[str]) -> Poly | None:
