@@ -64,6 +64,20 @@ def torchrun(nproc, run_args, timeout=300):
         return p.returncode, out
 
 
+def ctrl_c_after_step_2(p, out) -> str:
+    """Ctrl-C at a terminal (SIGINT to the whole process group) once the run in `out` has logged step 2; what the
+    launch printed, after every process of it has gone."""
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
+        assert p.poll() is None, p.stdout.read()
+        assert time.monotonic() < deadline, "the run never reached step 2"
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGINT)
+    text, _ = p.communicate(timeout=120)
+    assert session_gone(p.pid), "a process of the run is still alive"
+    return text
+
+
 def session_gone(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -158,14 +172,7 @@ def test_ctrl_c_to_the_process_group_is_one_interrupt(in_repo, tmp_path):
            str(ROOT / "tests" / "test_distributed.py"), str(out), "graphs/tiny.toml", "--steps", "500", "--out",
            str(out), "--no-progress"]
     with session(cmd) as p:
-        deadline = time.monotonic() + 240
-        while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
-            assert p.poll() is None, p.stdout.read()
-            assert time.monotonic() < deadline, "the run never reached step 2"
-            time.sleep(0.2)
-        os.killpg(p.pid, signal.SIGINT)
-        text, _ = p.communicate(timeout=120)
-        assert session_gone(p.pid), "a process of the run is still alive"
+        text = ctrl_c_after_step_2(p, out)
     said = [ln for ln in text.splitlines() if ln.startswith(("interrupted", "dflash-graph:"))]
     assert len(said) == 1 and said[0].startswith("interrupted: Ctrl-C (SIGINT, first seen by rank "), text
     assert "; checkpoint of step " in said[0] and f"continue with --resume {out}" in said[0], said
@@ -621,14 +628,7 @@ def test_ctrl_c_to_a_launch_exits_130_with_no_traceback(in_repo, tmp_path):
     out = tmp_path / "run"
     with launch_session(["--standalone", "--nproc-per-node", "3"], ["graphs/tiny.toml", "--steps", "500", "--out",
                                                                      str(out)]) as p:
-        deadline = time.monotonic() + 240
-        while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
-            assert p.poll() is None, p.stdout.read()
-            assert time.monotonic() < deadline, "the run never reached step 2"
-            time.sleep(0.2)
-        os.killpg(p.pid, signal.SIGINT)
-        text, _ = p.communicate(timeout=120)
-        assert session_gone(p.pid), "a process of the run is still alive"
+        text = ctrl_c_after_step_2(p, out)
     assert p.returncode == 130, text
     assert "Traceback" not in text and "SignalException" not in text, text
     said = [ln for ln in text.splitlines() if ln.startswith(("interrupted", "dflash-graph"))]
