@@ -504,7 +504,7 @@ def _check_layer_reads(typed: Typed) -> list[Problem]:
         models = sorted({m for m, _ in src if m})
         problems.append(Problem(
             f"model '{node.model}' declares {rl.config_key} = {list(declared)}, but node '{node.id}' reads on "
-            f"'{rl.port}' the outputs of layers {hooked} of model {', '.join(repr(m) for m in models)} (through "
+            f"'{rl.port}' the outputs of layers {hooked} of model {', '.join(repr(m) for m in models) or '?'} (through "
             f"{ref}): the drafter would be exported for layers it was not trained on",
             spec.loc("models", node.model, "config", rl.config_key), node=node.id,
             expected=f"{rl.config_key} = {hooked} (the hooked layers, in the order they are concatenated)",

@@ -27,13 +27,6 @@ def run_record(d: Path) -> dict:
     return {}
 
 
-def run_dir(path: str, flag: str) -> Path:
-    """The run directory a flag names, refused before anything is built when it is not one."""
-    from ..train.checkpoint import run_directory
-
-    return run_directory(path, flag)
-
-
 def _plan(graph: str | None, overrides: list[str], ckpt: Path):
     rec = run_record(ckpt)
     graph = graph or rec.get("graph")
@@ -63,7 +56,9 @@ def cmd_eval(args) -> int:
             raise GraphError(Problem(f"must be at least 1, got {n}", Location(flag=f"{flag} {n}"),
                                      hint=f"e.g. {flag} 16"))
     torch.set_num_threads(args.threads)
-    ckpt = run_dir(args.checkpoint, "--checkpoint")
+    from ..train.checkpoint import run_directory
+
+    ckpt = run_directory(args.checkpoint, "--checkpoint")
     plan = _plan(args.graph, args.overrides, ckpt)
     spec = plan.typed.ctx.spec
     from ..spec.paths import require_paths
@@ -105,7 +100,9 @@ def cmd_export(args) -> int:
     from ..train.export import export
     from ..train.trained import Trained
 
-    ckpt = run_dir(args.dir, "export DIR")
+    from ..train.checkpoint import run_directory
+
+    ckpt = run_directory(args.dir, "export DIR")
     plan = _plan(args.graph, args.overrides, ckpt)
     tr = Trained(plan, ckpt, "cpu", flag="export DIR")
     out = export(tr.drafter, tr.dims, tr.norm_weight, tr.target.config, Path(args.out), args.dtype, tr.drafter_name,

@@ -101,11 +101,12 @@ def _cmd_run(args, stage: dict) -> int:
                 print(done)
             return 0
     flags = rundir.how_run(args.no_rewrite, args.rules_off, args.device_map)
-    if resume is not None and talk:
-        for note in rundir.changed_flags(resume, flags):
-            print(f"note: {note}", file=sys.stderr)
+    if resume is not None:
+        if talk:
+            for note in rundir.changed_flags(resume, flags):
+                print(f"note: {note}", file=sys.stderr)
     elif getattr(args, "allow_change", []):
-        raise GraphError(Problem("--allow-change only applies with --resume", Location(None, None, None, "--allow-change"),
+        raise GraphError(Problem("--allow-change only applies with --resume", Location(flag="--allow-change"),
                                  hint="drop --allow-change, or add --resume DIR to continue that run"))
     if talk:
         print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")

@@ -191,8 +191,8 @@ def resumed_steps(resume: Path, state: dict, flag: int | None, default: int) -> 
                      if steps > schedule else f"its learning-rate schedule stays the one over {schedule} steps"))
     if steps < done:
         what = f"--steps {steps}" if flag is not None else f"train.steps = {steps}"
-        raise GraphError(Problem(f"{what} is below the {done} steps {resume} has already trained",
-                                 Location(None, None, None, what),
+        where = Location(flag="--steps") if flag is not None else Location(path="train.steps")
+        raise GraphError(Problem(f"{what} is below the {done} steps {resume} has already trained", where,
                                  expected=f"more than {done} steps", actual=str(steps),
                                  hint=f"a run cannot be shortened below its checkpoint: --steps N with N above {done} "
                                       "trains it further" + ("" if recorded is None else
@@ -240,12 +240,11 @@ def write_json(path: Path, obj: dict) -> None:
 
 def resume_dir(resume: Path) -> None:
     """Refuse, before anything is built, a --resume that names no run directory."""
+    from .checkpoint import run_directory
+
+    run_directory(resume, "--resume")
     flag = Location(flag=f"--resume {resume}")
     hint = "--resume takes the --out directory of an earlier run (runs/<graph name> unless --out named another)"
-    if not resume.exists():
-        raise GraphError(Problem("no such directory", flag, hint=hint))
-    if not resume.is_dir():
-        raise GraphError(Problem("a file, not a run directory", flag, hint=hint))
     if not holds_a_run(resume):
         raise GraphError(Problem(f"{resume} holds no run (no {RUN_FILE}, metrics or checkpoint)", flag,
                                  hint=hint + "; to start a run there, use --out"))

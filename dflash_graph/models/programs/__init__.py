@@ -245,4 +245,4 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
 
 
 __all__ = ["Event", "ProgramError", "Run", "available", "derived_values", "evaluate", "holds", "load", "path_of",
-           "sequence"]
+           "poly_value", "sequence"]

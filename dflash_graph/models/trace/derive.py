@@ -50,7 +50,9 @@ def held_out(spec: ArchSpec, packing: str, n: int = 3, seed: int = 0) -> list[di
     """Points where every dim differs from the design's values (admissible configs only)."""
     rng = random.Random(seed)
     out: list[dict[str, int]] = []
-    while len(out) < n:
+    for _ in range(100_000 * n):
+        if len(out) == n:
+            break
         p = {}
         for k, b in spec.base.items():
             lo, hi = min((b, *spec.alts[k])), max((b, *spec.alts[k]))
@@ -67,6 +69,9 @@ def held_out(spec: ArchSpec, packing: str, n: int = 3, seed: int = 0) -> list[di
         used = {k: {spec.base[k], *spec.alts[k]} | (set(CHUNK_SEQS) if k == "seq" else set()) for k in p}
         if spec.admits(p, packing) and not any(p[k] in used[k] for k in p) and p not in out:
             out.append(p)
+    if len(out) < n:
+        raise FitError(f"{spec.arch} ({packing}): {len(out)} of {n} held-out points found in {100_000 * n} draws: the arch "
+                       "entry's holds_when admits too few configs away from the design's values")
     return out
 
 

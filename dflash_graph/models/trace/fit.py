@@ -34,7 +34,6 @@ def monomials(names: list[str]) -> list[tuple[str, ...]]:
     return out
 
 
-eval_poly = poly_value   # the evaluator's own reading of a stored polynomial, so a fit is checked as it is used
 
 
 def fit_poly(points: list[dict[str, int]], ys: list[int], names: list[str]) -> Poly | None:
@@ -50,11 +49,11 @@ def fit_poly(points: list[dict[str, int]], ys: list[int], names: list[str]) -> P
     a = np.array([[float(np.prod([p[n] for n in m])) if m else 1.0 for m in mons] for p in points])
     y = np.array(ys, dtype=float)
     for poly in _sparse_fits(a, y, mons):
-        if all(eval_poly(poly, p) == yy for p, yy in zip(points, ys)):
+        if all(poly_value(poly, p) == yy for p, yy in zip(points, ys)):
             return poly
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     poly = _rational(zip(mons, coef))
-    if poly is not None and all(eval_poly(poly, p) == yy for p, yy in zip(points, ys)):
+    if poly is not None and all(poly_value(poly, p) == yy for p, yy in zip(points, ys)):
         return poly
     return None
 

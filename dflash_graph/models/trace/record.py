@@ -27,7 +27,6 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 #: the pieces a causal LM's forward is cut into, in order (`layer:<type>` and `between` repeat per layer)
-UNIQUE_PIECES = ("start", "embed", "prologue", "norm", "epilogue", "lm_head", "end")
 
 
 @attrs.frozen
@@ -248,17 +247,4 @@ def _layer_type(config, i: int) -> str:
     return types[i] if types else "decoder"
 
 
-def replay_peak(events) -> int:
-    live = peak = 0
-    size = {}
-    for e in events:
-        if isinstance(e, Alloc):
-            size[e.id] = e.nbytes
-            live += e.nbytes
-            peak = max(peak, live)
-        else:
-            live -= size.pop(e.id)
-    return peak
-
-
-__all__ = ["Alloc", "Free", "Piece", "Recorder", "Trace", "packing_as_run", "replay_peak", "trace_causal_lm"]
+__all__ = ["Alloc", "Free", "Piece", "Recorder", "Trace", "packing_as_run", "trace_causal_lm"]
