@@ -77,9 +77,11 @@ def test_drafter_weights_refused(in_repo, capsys):
 
 
 def test_arch_declarations_match_what_run_does():
-    """The arch registry's declarations are what the run-time store does: only qwen3_5 loads weights (ModelStore
-    .full), only dflash trains (ModelStore.trainable_parameters holds the drafters)."""
-    assert {a for a, x in ARCHS.items() if x.loads_weights} == {"qwen3_5"}
+    """The arch registry's declarations are what the run-time store does: every target loads weights (ModelStore
+    .full builds it through transformers' own class), only dflash trains (ModelStore.trainable_parameters holds
+    the drafters)."""
+    assert {a for a, x in ARCHS.items() if x.loads_weights} == {a for a, x in ARCHS.items() if x.target}
+    assert all(x.hf_causal_lm for x in ARCHS.values() if x.target)
     assert {a for a, x in ARCHS.items() if x.trains} == {"dflash"}
 
 

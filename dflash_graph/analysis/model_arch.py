@@ -23,7 +23,8 @@ from typing import Any
 import attrs
 
 from ..errors import Problem, did_you_mean, short
-from ..models.registry import ARCHS, COMING, Arch, foreign_keys, model_types_of, supported_text, target_arch_of
+from ..models.registry import (ARCHS, COMING, Arch, foreign_keys, model_types_of, not_modelled, supported_text,
+                               target_arch_of)
 from ..spec.document import GraphSpec, ModelSpec
 
 
@@ -52,8 +53,7 @@ def _arch_of(spec: GraphSpec, m: ModelSpec) -> tuple[str | None, list[Problem]]:
         return _found(spec, m, named)
     if m.arch not in ARCHS:
         if m.arch in COMING:
-            return None, [Problem(f"model '{m.name}': arch '{m.arch}' is not modelled yet ({COMING[m.arch]}): "
-                                  "dflash-graph models qwen3_5 targets today, and the others are coming (issue 22)",
+            return None, [Problem(f"model '{m.name}': " + not_modelled(f"arch '{m.arch}' ({COMING[m.arch]})"),
                                   spec.loc("models", m.name, "arch"), hint=supported_text())]
         return None, [Problem(f"unknown arch '{m.arch}'{did_you_mean(m.arch, list(ARCHS))}",
                               spec.loc("models", m.name, "arch"),
@@ -65,8 +65,7 @@ def _arch_of(spec: GraphSpec, m: ModelSpec) -> tuple[str | None, list[Problem]]:
             continue
         other = target_arch_of(mt)
         what = (f"a {ARCHS[other].label} config (arch '{other}')" if other else
-                f"a {mt} config ({COMING[mt]}), which dflash-graph does not model yet: it models qwen3_5 "
-                "targets today, and the others are coming (issue 22)" if mt in COMING else
+                "a " + not_modelled(f"{mt} config ({COMING[mt]}), which") if mt in COMING else
                 "a model_type dflash-graph does not know")
         fix = (f"set arch = \"{other}\" (or leave arch out: it comes from model_type)" if other and arch.target else
                "a drafter's config names the type of its layers: model_type \"qwen3\"" if not arch.target else
@@ -91,13 +90,12 @@ def _found(spec: GraphSpec, m: ModelSpec, named: list[tuple[tuple[str, ...], Any
     if not named:
         return None, [Problem(f"model '{m.name}' declares no arch, and its config names no model_type",
                               spec.loc("models", m.name),
-                              hint="declare arch = \"qwen3_5\" for a target (or give its config's model_type), "
+                              hint="declare a target's arch (or give its config's model_type), "
                                    f"arch = \"dflash\" for a drafter; {supported_text()}")]
     archs = {p: target_arch_of(v) for p, v in named}
     for path, mt in named:
         if archs[path] is None:
-            what = (f"{mt} ({COMING[mt]}) is not modelled yet: dflash-graph models qwen3_5 targets today, and "
-                    "the others are coming (issue 22)" if mt in COMING else "a model_type dflash-graph does not know")
+            what = (not_modelled(f"{mt} ({COMING[mt]})") if mt in COMING else "a model_type dflash-graph does not know")
             return None, [Problem(f"model '{m.name}' declares no arch, and its config{_in_file(m, path, mt)} says "
                                   f"model_type '{mt}': {what}", _loc(spec, m, path), hint=supported_text())]
     if len(set(archs.values())) > 1:

@@ -45,7 +45,13 @@ def cost_context(typed: Typed, node: Node, grad: bool, ins, outs) -> CostContext
     else:
         db = DTYPE_BYTES[next(iter(ins.values())).dtype] if ins else 4
     taps = frozenset(hook_refs(typed, node.id)) if "taps" in outs else frozenset()
-    return CostContext(node, ins, outs, model.dims if model else None, db, grad, taps)
+    owners = {}
+    if model is not None:
+        for comp in registry.get(node.op).components:
+            owner = typed.ctx.models.get(model.component_owner(comp).split(".")[0])
+            if owner is not None:
+                owners[comp] = owner.dims
+    return CostContext(node, ins, outs, model.dims if model else None, db, grad, taps, owners)
 
 
 def hook_refs(typed: Typed, nid: str) -> dict[int, Ref]:

@@ -64,8 +64,7 @@ def cmd_eval(args) -> int:
     from ..spec.paths import require_paths
 
     require_paths(spec, "run")          # eval reads what run reads: the target's weights, corpus, tokenizer
-    from ..models.qwen3_5 import kernel_notes
-
+    from ..models.registry import kernel_notes
 
     for note in kernel_notes(plan.typed.ctx.models):
         print(note, file=sys.stderr)

@@ -33,16 +33,16 @@ def toml_reference() -> str:
                 out.append(f"| `{k.name}` | {k.kind} | {'yes' if k.required else ''} | {_default(k.default)} | {doc} |")
             out.append("")
     out += ["## Model configs by arch", "",
-            "Targets coming (issue 22), refused today with what is supported: "
+            "Target families not modelled yet, refused with what is supported: "
             + ", ".join(f"`{t}` ({what})" for t, what in COMING.items()) + ".", ""]
     for name, arch in ARCHS.items():
         found = ("`arch` may be omitted: a config with one of these is this arch." if arch.target else
                  "A drafter always declares its arch.")
         out += [f"### `{name}`", "", arch.doc, "",
                 f"Config `model_type`: {' or '.join(f'`{t}`' for t in arch.model_types)}. {found}", "",
-                "Keys the cost model reads: " + ", ".join(f"`{k}`" for k in sorted(arch.module.CONFIG_KEYS)) + ".", "",
+                "Keys the cost model reads: " + ", ".join(f"`{k}`" for k in sorted(arch.model_keys)) + ".", "",
                 "Also accepted in an inline config (read by transformers at run time): "
-                + ", ".join(f"`{k}`" for k in sorted(arch.config_keys - arch.module.CONFIG_KEYS)) + ".", ""]
+                + ", ".join(f"`{k}`" for k in sorted(arch.config_keys - arch.model_keys)) + ".", ""]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..models.qwen3_5 import kernel_notes
+from ..models.registry import kernel_notes
 from ..rewrite.pipeline import compile_graph
 from .options import host_overrides, mapped_overrides
 from .report import render_host, render_memory, render_ooms, render_rewrites

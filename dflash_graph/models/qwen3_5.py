@@ -33,6 +33,7 @@ conv/recurrent states, and the peak grows with depth.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -368,6 +369,23 @@ class Qwen35Dims:
 
     def count(self, layer_type: str) -> int:
         return sum(1 for t in self.layer_types if t == layer_type)
+
+    # what the cost code reads (ops/costs.py), as every target's dims answer it --------------------------------
+    def body_events(self, seq: int, dtype_bytes: int):
+        return body_events(self, seq, dtype_bytes)
+
+    def body_workspace_bytes(self, seq: int, dtype_bytes: int) -> int:
+        ws = body_forward_workspace_bytes(self, seq, dtype_bytes, **forward_kwargs(self))   # the declared forward
+        # Qwen3_5TextModel.forward applies the final norm to the last hidden state before returning it, even
+        # though body_forward hands back the pre-norm output: that normed copy and the norm's fp32 temporaries
+        # are transient.
+        return max(ws, seq * self.hidden_size * (dtype_bytes + 2 * 4))
+
+    def body_flops(self, seq: int) -> int:
+        return body_forward_flops(self, seq)
+
+    def lm_head_flops(self, tokens: int) -> int:
+        return lm_head_flops(self, tokens)
 
 
 # --------------------------------------------------------------------------------------
@@ -1301,6 +1319,30 @@ def _replay(
     _rmsnorm(lv, "norm", s, h, b, "last_hidden_state")
     lv.drop("h_in")
     return lv
+
+
+@functools.lru_cache(maxsize=64)
+def body_events(d: Qwen35Dims, seq: int, dtype_bytes: int):
+    """The body forward's events (models/body.py) from the replay: the prologue, one chunk per replayed layer kind
+    (type, not the first layer), and the final norm. The replay frees the embedding output after layer 0."""
+    from .body import BodyEvents
+
+    lv = _replay(d, seq, dtype_bytes, use_cache=False, record=True, **forward_kwargs(d))
+    prologue, chunks, cur = [], [], []
+    in_layers = False
+    for phase, ev, size, _ in lv.events:
+        if phase == "prologue" and not in_layers:
+            prologue.append((ev, size))
+            continue
+        in_layers = True
+        if ev == "-h_out":
+            chunks.append(tuple(cur))
+            cur = []
+            continue
+        cur.append((ev, size))
+    keys = list(dict.fromkeys((t, i > 0) for i, t in enumerate(d.layer_types)))
+    return BodyEvents(prologue=tuple(prologue), layers=dict(zip(keys, chunks)), final=tuple(cur),
+                      label=functools.partial(tensor_label, d, seq, dtype_bytes))
 
 
 def body_forward_workspace_bytes(

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..ir.graph import Node, Ref
+from ..models.registry import TARGET_ARCHS
 from . import costs
 from .contract import (AtMost, BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, PortsExample,
                        ReadsLayers, Selection, Traits)
@@ -37,7 +38,7 @@ def _drop_layers(params: Mapping[str, Any], dropped: frozenset[str]) -> Mapping[
 
 
 def _decompose_causal_lm(node: Node, fresh) -> tuple[list[Node], dict[str, Ref]]:
-    """causal_lm_forward = body_forward -> norm -> lm_head (what Qwen3_5ForCausalLM.forward does)."""
+    """causal_lm_forward = body_forward -> norm -> lm_head (what every *ForCausalLM.forward does)."""
     body = node.evolve(op="body_forward", note="decompose_forward: body of " + node.id)
     norm_id, head_id = fresh(f"{node.id}_norm"), fresh(f"{node.id}_lm_head")
     norm = Node(norm_id, "norm", (("x", Ref(node.id, "hidden")),), {}, node.device, node.model,
@@ -69,12 +70,12 @@ declare(OpDef(
 
 declare(OpDef(
     name="causal_lm_forward",
-    doc="What `Qwen3_5ForCausalLM.forward()` does: the body, then the final norm and lm_head over every position, "
+    doc="What the target's `*ForCausalLM.forward()` does (Qwen3_5ForCausalLM, Qwen3ForCausalLM, ...): the body, then the final norm and lm_head over every position, "
         "so it produces [seq, vocab] logits whether or not anyone reads them.",
     inputs=_FORWARD_INPUTS,
     outputs=(Port("hidden", "seq hidden", optional=True, doc="last decoder layer output, before the final norm"),
              Port("logits", "seq vocab", optional=True), _TAPS),
-    model_arch=("qwen3_5",),
+    model_arch=TARGET_ARCHS,
     components=("embed", "layers", "norm", "lm_head"),
     bind=_lm_bind,
     traits=Traits(decompose=_decompose_causal_lm, modules=("body",)),
@@ -88,8 +89,8 @@ declare(OpDef(
     inputs=_FORWARD_INPUTS,
     outputs=(Port("hidden", "seq hidden", optional=True, doc="last decoder layer output, before the final norm"),
              _TAPS),
-    model_arch=("qwen3_5",),
-    components=("embed", "layers", "norm"),   # Qwen3_5TextModel applies its final norm: its weight is resident
+    model_arch=TARGET_ARCHS,
+    components=("embed", "layers", "norm"),   # the body model applies its final norm: its weight is resident
     bind=_lm_bind,
     traits=Traits(modules=("body",)),
     cost=costs.body_forward,
@@ -106,7 +107,7 @@ declare(OpDef(
     outputs=_hook_outputs,
     params=(Param("layers", "layer_ids", "Decoder layers to capture.", required=True),),
     example=PortsExample((("layers", (1, 3)),), "one `layer<i>` per layer in `layers`"),
-    model_arch=("qwen3_5",),
+    model_arch=TARGET_ARCHS,
     bind=lambda c: {"hidden": c.model_ref("hidden_size")},
     traits=Traits(drop_outputs=_drop_layers,
                   captures=lambda p: {f"layer{i}": i for i in p.get("layers", ())}),
@@ -248,10 +249,10 @@ INDEX_SHIFT = declare(OpDef(
 
 declare(OpDef(
     name="norm",
-    doc="The model's RMSNorm (for Qwen3.5 the final norm, which multiplies by 1 + w) over the last axis.",
+    doc="The model's final RMSNorm over the last axis, as its arch defines it (Qwen3.5 multiplies by 1 + w, Qwen3 and Llama by w).",
     inputs=(Port("x", "*batch hidden"),),
     outputs=(Port("out", "*batch hidden"),),
-    model_arch=("qwen3_5", "dflash"),
+    model_arch=(*TARGET_ARCHS, "dflash"),
     components=("norm",),
     bind=lambda c: {"hidden": c.model_ref("hidden_size")},
     traits=Traits(positionwise="batch"),
@@ -264,7 +265,7 @@ declare(OpDef(
     doc="The model's output projection to the vocabulary: [*, hidden] -> [*, vocab].",
     inputs=(Port("x", "*batch hidden"),),
     outputs=(Port("logits", "*batch vocab"),),
-    model_arch=("qwen3_5", "dflash"),
+    model_arch=(*TARGET_ARCHS, "dflash"),
     components=("lm_head",),
     bind=_lm_bind,
     traits=Traits(positionwise="batch", linear_head=LinearHead("x", "logits", "lm_head")),
@@ -340,7 +341,7 @@ declare(OpDef(
     params=(_LOSS.param("kind"), _LOSS.param("gamma"),
             Param("chunk", "int", "Rows per chunk; 0: Liger's rule, [chunk, vocab] about the size of [rows, hidden] "
                   "(ops/costs.head_chunk). The rule writes the value it chose.", default=0, shown=True)),
-    model_arch=("qwen3_5", "dflash"),
+    model_arch=(*TARGET_ARCHS, "dflash"),
     components=("lm_head",),
     bind=_lm_bind,
     traits=Traits(sink=True, pure=False),

@@ -38,6 +38,7 @@ class CostContext:
     dtype_bytes: int           # the node's model dtype width (2 for bf16), or of its first input
     grad: bool                 # autograd records this node (it feeds a trainable model's loss)
     taps: frozenset[int] = frozenset()   # a forward's layers that hook_capture nodes ask for
+    owner_dims: Mapping[str, Any] = attrs.field(factory=dict)   # a component -> its owner's dims (`shares`)
 
 
 
@@ -146,7 +147,12 @@ def norm(c: CostContext) -> NodeCost:
     x = c.inputs["x"]
     fp32 = x.numel * 4
     out = c.outputs["out"].nbytes
-    if x.dtype == "float32":
+    # an arch whose final norm is a derived program (models/decoder.py) gives its own allocation order
+    owner = c.owner_dims.get("norm")
+    derived = owner.norm_program(_rows(x), x.nbytes // max(1, x.numel), out) if hasattr(owner, "norm_program") else None
+    if derived is not None:
+        program = derived
+    elif x.dtype == "float32":
         program = (("alloc", "B", fp32), ("free", "B", 0), ("alloc", "C", fp32), ("alloc", "out:out", out),
                    ("free", "C", 0))
     else:
@@ -174,53 +180,21 @@ def transfer(c: CostContext) -> NodeCost:
     return NodeCost()
 
 
-def _qwen_body(c: CostContext) -> tuple[int, int]:
-    from ..models import qwen3_5
-
+def _body(c: CostContext) -> tuple[int, int]:
+    """The body forward's workspace and FLOPs, as the model's arch computes them (its dims object:
+    models/qwen3_5.py's hand mirror, or models/decoder.py's derived program)."""
     seq = c.inputs["input_ids"].sizes[0]
     d = c.model_dims
-    ws = qwen3_5.body_forward_workspace_bytes(d, seq, c.dtype_bytes, **qwen3_5.forward_kwargs(d))   # the declared forward
-    # Qwen3_5TextModel.forward applies the final norm to the last hidden state before returning it, even though
-    # body_forward hands back the pre-norm output: that normed copy and the norm's fp32 temporaries are transient.
-    final_norm = seq * d.hidden_size * (c.dtype_bytes + 2 * 4)
-    return max(ws, final_norm), qwen3_5.body_forward_flops(d, seq)
-
-
-@functools.lru_cache(maxsize=64)
-def _layer_chunks(d, seq: int, b: int) -> tuple[list, dict, list]:
-    """The allocation events of Qwen3_5TextModel.forward as models/qwen3_5.py replays them (checked there against
-    MemTracker): the prologue, one chunk per replayed layer kind, and the final norm."""
-    from ..models import qwen3_5
-
-    lv = qwen3_5._replay(d, seq, b, use_cache=False, record=True, **qwen3_5.forward_kwargs(d))
-    prologue, chunks, cur = [], [], []
-    in_layers = False
-    for phase, ev, size, _ in lv.events:
-        if phase == "prologue" and not in_layers:
-            prologue.append((ev, size))
-            continue
-        in_layers = True
-        cur.append((ev, size))
-        if ev == "-h_out":
-            chunks.append(cur)
-            cur = []
-    final = cur
-    keys, seen = [], set()
-    for i, t in enumerate(d.layer_types):
-        k = (t, i > 0)
-        if k not in seen:
-            seen.add(k)
-            keys.append(k)
-    return prologue, dict(zip(keys, chunks)), final
+    return d.body_workspace_bytes(seq, c.dtype_bytes), d.body_flops(seq)
 
 
 FOLD_LAYERS = True      # NOTE [Layer folding]; tests turn it off to compare with the literal replay
 
 
 def _body_program(c: CostContext, ws: int, logits: bool) -> tuple[tuple[str, str, int], ...]:
-    """The body forward's allocations in order, layer by layer, from the replay in models/qwen3_5.py; hooked layer
-    outputs are allocated where the layer makes them, between its temporaries, as on a GPU. A layer output no
-    one captured is freed once the next layer has consumed it."""
+    """The body forward's allocations in order, layer by layer, from the arch's events (models/body.py); hooked
+    layer outputs are allocated where the layer makes them, between its temporaries, as on a GPU. A layer output
+    no one captured is freed once the next layer has consumed it."""
     captured = c.taps
     return _body_steps(c.model_dims, c.inputs["input_ids"].sizes[0], c.dtype_bytes, captured, "hidden" in c.outputs,
                        c.outputs["logits"].nbytes if logits else 0, FOLD_LAYERS)
@@ -264,36 +238,43 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
                 logits_bytes: int, fold: bool = True) -> tuple:
     """The body forward's program; with `fold`, identical periods of layers as Repeat steps (NOTE [Layer
     folding]); expand_program(fold=True's) == fold=False's."""
-    from ..models import qwen3_5
-
     h = seq * d.hidden_size * dtype_bytes
-    prologue, chunks, final = _layer_chunks(d, seq, dtype_bytes)
+    ev = d.body_events(seq, dtype_bytes)
+    prologue, chunks, final = ev.prologue, ev.layers, ev.final
     types = d.layer_types
     n_layers = d.num_hidden_layers
     last = n_layers - 1
     steps: list = [("alloc", "embeds", h)]   # keys: plain strings, or templates (format, layer, number)
     written = 1                              # literal steps so far (a Repeat counts all its repetitions)
-    alive: dict[str, object] = {}            # replay name -> key
-    labels: dict[str, str] = {}              # replay name -> qwen3_5.tensor_label (the same for every layer)
+    alive: dict[str, object] = {}            # event name -> key
+    labels: dict[str, str] = {}              # event name -> its label (the same for every layer)
     prev: object = "embeds"                  # the previous layer's output
 
-    def owned(key) -> bool:
-        return type(key) is str and key.startswith(("out:", "tap:"))
+    def owned(key) -> bool:      # a node's output, or the embedding output of a forward that keeps it to the end
+        return type(key) is str and (key.startswith(("out:", "tap:")) or (ev.embeds_to_end and key == "embeds"))
 
     def replay(events, layer: int | None, prefix: str, out_key, into: list) -> None:
-        nonlocal written
-        for ev, size in events:
-            kind, name = ev[0], ev[1:]
-            if name in ("h_in",) or ev == "-h_out":
+        nonlocal written, prev
+        for event, size in events:
+            kind, name = event[0], event[1:]
+            if name in ("h_in",) or event == "-h_out":
                 continue
-            if ev == "+h_out":
+            if event == "-@embeds":
+                into.append(("free", "embeds", 0))
+                written += 1
+            elif event == "-@prev":
+                if prev is not None and not owned(prev):
+                    into.append(("free", prev, 0))
+                    written += 1
+                prev = None
+            elif event == "+h_out":
                 into.append(("alloc", out_key, h))
                 written += 1
             elif kind == "+":
                 # unique: a renamed tensor keeps its own key; [heads, seq, seq] tensors named by shape for an OOM
                 label = labels.get(name)
                 if label is None:
-                    label = labels[name] = qwen3_5.tensor_label(d, seq, dtype_bytes, name)
+                    label = labels[name] = ev.label(name)
                 if layer is None:
                     key = f"{prefix}{name}#{written}" if label == name else f"{prefix}{label} #{written}"
                 else:
@@ -361,13 +342,13 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
         while i < end:
             layer(i, steps)
             i += 1
-    # Qwen3_5TextModel.forward ends with the final norm: its temporaries and the normed [seq, hidden] state
+    # the body ends with the final norm: its temporaries and the normed [seq, hidden] state
     replay(final, None, "norm.", None, steps)
     if logits_bytes:
         steps.append(("alloc", "out:logits", logits_bytes))
     for key in list(alive.values()):
         steps.append(("free", key, 0))
-    if not owned(prev):
+    if prev is not None and not owned(prev):
         steps.append(("free", prev, 0))
     return tuple(st if st[0] == "repeat" else (st[0], _literal(st[1]), st[2]) for st in steps)
 
@@ -387,19 +368,17 @@ def _repeats(before, buf: list, span: int, after, p: int) -> bool:
 
 
 def body_forward(c: CostContext) -> NodeCost:
-    ws, flops = _qwen_body(c)
+    ws, flops = _body(c)
     return NodeCost(workspace_bytes=ws, flops=flops, program=_body_program(c, ws, logits=False))
 
 
 def causal_lm_forward(c: CostContext) -> NodeCost:
-    # Qwen3_5ForCausalLM.forward: body -> last_hidden_state (normed, [seq, hidden]) -> lm_head -> logits. While
-    # the logits are allocated, the normed hidden state is alive (it is the GEMM's input).
-    from ..models import qwen3_5
-
-    ws, flops = _qwen_body(c)
+    # *ForCausalLM.forward: body -> last_hidden_state (normed, [seq, hidden]) -> lm_head -> logits. While the
+    # logits are allocated, the normed hidden state is alive (it is the GEMM's input).
+    ws, flops = _body(c)
     seq = c.inputs["input_ids"].sizes[0]
     normed = seq * c.model_dims.hidden_size * c.dtype_bytes
-    return NodeCost(workspace_bytes=max(ws, normed), flops=flops + qwen3_5.lm_head_flops(c.model_dims, seq),
+    return NodeCost(workspace_bytes=max(ws, normed), flops=flops + c.model_dims.lm_head_flops(seq),
                     program=_body_program(c, ws, logits=True))
 
 

@@ -181,11 +181,9 @@ def sequence(program: dict[str, Any], layer_types: list[str]) -> list[str]:
     return [n for n in seq if n in program["pieces"]]  # a piece with no events may be left out
 
 
-def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_types: list[str], *,
-             upto: str = "end") -> Run:
-    """The forward's allocation events and live-bytes peak, for dims (the program's dim names) and seq tokens.
-
-    upto="epilogue" stops when the body returns (no lm_head: the embedding, the body and its output)."""
+def bind(program: dict[str, Any], dims: dict[str, int], seq: int) -> dict[str, int]:
+    """The values a program's sizes read: the dims given, seq and the derived dims; raises ProgramError where a dim
+    is missing or the program does not hold (transformers runs other code there)."""
     derived = program.get("derived", {})
     need = set(program["dims"]) - {"seq"} - set(derived)
     missing = sorted(need - set(dims))
@@ -201,6 +199,21 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
                            f"when {cond}, and here {shown}: transformers runs other code; a program for this config "
                            f"must be derived (python tools/derive_programs.py, later `dflash-graph trace-model "
                            f"CONFIG`)")
+    return values
+
+
+def piece_events(program: dict[str, Any], values: dict[str, int], name: str) -> list[tuple[str, str, int, str]]:
+    """One piece's own events at these values (`bind`): ("a", id, bytes, label) and ("f", id, 0, ""), a loop
+    written out; ids are the piece's own (an iteration's get "@<i>")."""
+    return _expand(program["pieces"][name], values)
+
+
+def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_types: list[str], *,
+             upto: str = "end") -> Run:
+    """The forward's allocation events and live-bytes peak, for dims (the program's dim names) and seq tokens.
+
+    upto="epilogue" stops when the body returns (no lm_head: the embedding, the body and its output)."""
+    values = bind(program, dims, seq)
     pieces = sequence(program, layer_types)
     if upto != "end" and upto not in pieces:
         raise ProgramError(f"upto must be a piece of the forward, one of {sorted(set(pieces))}")
@@ -244,5 +257,5 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
     return Run(tuple(events), peak, piece_peak, peak_at)
 
 
-__all__ = ["Event", "ProgramError", "Run", "available", "derived_values", "evaluate", "holds", "load", "path_of",
-           "poly_value", "sequence"]
+__all__ = ["Event", "ProgramError", "Run", "available", "bind", "derived_values", "evaluate", "holds", "load",
+           "path_of", "piece_events", "poly_value", "sequence"]
