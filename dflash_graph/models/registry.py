@@ -18,7 +18,7 @@ class Arch:
                  loads_weights: bool = False, trains: bool = False, assumptions: str | None = None,
                  model_types: tuple[str, ...] = (), target: bool = True, label: str = "",
                  hf_config: str = "", hf_causal_lm: str = "", norm_plus_one: bool = False,
-                 kernel_notes: str | None = None):
+                 kernel_notes: str | None = None, published_keys: frozenset[str] = frozenset()):
         self.name, self._module, self._dims_class, self.components, self.doc = name, module, dims_class, components, doc
         self.loads_weights, self.trains, self._assumptions = loads_weights, trains, assumptions
         # NOTE [Arch from model_type]: the HF `model_type` values a config of this arch carries (transformers'
@@ -31,6 +31,9 @@ class Arch:
         # plain norm.weight from it.
         self.hf_config, self.hf_causal_lm, self.norm_plus_one = hf_config, hf_causal_lm, norm_plus_one
         self._kernel_notes = kernel_notes
+        # keys the family's published config.json files carry that transformers' config class no longer has
+        # (Qwen3-30B-A3B's max_window_layers): accepted, never read
+        self.published_keys = published_keys
 
     def kernel_notes(self, models: Mapping[str, Any]) -> list[str]:
         """Notes on the kernels a prediction assumed for these models of this arch that differ here ([] if none)."""
@@ -61,7 +64,7 @@ class Arch:
         """Keys an inline config may use: those the cost model reads, plus the rest of the HF config class's
         fields (read by transformers at run time). A config.json file is not checked key by key: a real
         checkpoint's config carries whatever its exporter wrote."""
-        return self.model_keys | HF_RUNTIME_KEYS
+        return self.model_keys | HF_RUNTIME_KEYS | self.published_keys
 
     @property
     def model_keys(self) -> frozenset[str]:
@@ -114,7 +117,8 @@ ARCHS: dict[str, Arch] = {
                       ("embed", "layers", "norm", "lm_head"),
                       "Qwen3 MoE text model (transformers Qwen3MoeForCausalLM): Qwen3-30B-A3B.", loads_weights=True,
                       assumptions="forward_assumptions", model_types=("qwen3_moe",), label="Qwen3-MoE",
-                      hf_config="Qwen3MoeConfig", hf_causal_lm="Qwen3MoeForCausalLM"),
+                      hf_config="Qwen3MoeConfig", hf_causal_lm="Qwen3MoeForCausalLM",
+                      published_keys=frozenset({"max_window_layers"})),
     # a DFlash drafter's config.json (z-lab's, and the one `run` exports) says model_type "qwen3": its layers
     "dflash": Arch("dflash", "dflash_graph.models.dflash", "DFlashDims", ("fc", "hidden_norm", "layers"),
                    "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`.", trains=True,
