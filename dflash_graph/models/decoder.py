@@ -214,19 +214,25 @@ def _check_dtype(d: DecoderDims, dtype_bytes: int) -> None:
                          f"asked for): declare dtype = \"bfloat16\" for this model")
 
 
-@functools.lru_cache(maxsize=64)
 def body_events(d: DecoderDims, seq: int, dtype_bytes: int) -> BodyEvents:
+    _check_dtype(d, dtype_bytes)
+    return program_body_events(d.arch, d.packing, d.values, d.layer_types, seq)
+
+
+@functools.lru_cache(maxsize=64)
+def program_body_events(arch: str, packing: str, dims: tuple[tuple[str, int], ...], layer_types: tuple[str, ...],
+                        seq: int) -> BodyEvents:
     """The body forward's events (models/body.py) from the arch's derived program: the prologue, each layer type's
     layer, the final norm, and what dies when the body returns (the embedding output, positions, the mask, cos
-    and sin, the last layer's output), as transformers' own forward frees them."""
-    _check_dtype(d, dtype_bytes)
-    p = d.program
-    values = programs.bind(p, d.dims, seq)
+    and sin, the last layer's output), as transformers' own forward frees them. A steady loop (the delta rule's
+    scan over chunks) is written for as many iterations as stand for all (programs.steady_iterations)."""
+    p = program(arch, packing)
+    values = programs.bind(p, dict(dims), seq)
     labels: dict[str, str] = {}
 
     def own(piece: str, prefix: str, out: str | None) -> list[tuple[str, int]]:
         events = []
-        for kind, ident, n, label in programs.piece_events(p, values, piece):
+        for kind, ident, n, label in programs.piece_events(p, values, piece, steady=True):
             name = "h_out" if ident == out else prefix + ident
             if kind == "a":
                 labels[name] = label
@@ -243,7 +249,7 @@ def body_events(d: DecoderDims, seq: int, dtype_bytes: int) -> BodyEvents:
         return dies == {"piece": "epilogue", "at": 0} or (offset is not None and dies == {"offset": offset, "at": 0})
 
     def unsupported(what: str) -> programs.ProgramError:
-        return programs.ProgramError(f"the {d.arch} program ({p['key']}) has {what}, which the cost code does not "
+        return programs.ProgramError(f"the {arch} program ({p['key']}) has {what}, which the cost code does not "
                                      f"place yet (models/decoder.py body_events)")
 
     for piece in ("embed", "prologue"):
@@ -257,7 +263,7 @@ def body_events(d: DecoderDims, seq: int, dtype_bytes: int) -> BodyEvents:
         raise unsupported("code between layers or after the final norm")
     prologue = tuple(own("prologue", "p.", None))
     layers: dict[tuple[str, bool], tuple] = {}
-    for t in dict.fromkeys(d.layer_types):
+    for t in dict.fromkeys(layer_types):
         ex = exports(f"layer:{t}")
         # a layer hands on its output, which dies once the next layer has run (offset 3: between, the next
         # layer, its between), or when the body returns after the last layer

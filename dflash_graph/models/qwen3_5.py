@@ -372,7 +372,21 @@ class Qwen35Dims:
 
     # what the cost code reads (ops/costs.py), as every target's dims answer it --------------------------------
     def body_events(self, seq: int, dtype_bytes: int):
+        """The body's events: from the derived program (models/programs/, traced from transformers' own code)
+        where one is stored for this forward (sdpa, the torch delta rule, documents or mask, bf16) and holds for
+        these dims; from the hand mirror below otherwise (eager, flash_attention_2, fla kernels, cu_seqlens,
+        other dtypes: forwards no program is derived for, since they need a GPU or kernels to trace)."""
+        derived = self.derived_program(dtype_bytes)
+        if derived is not None and seq > 1:     # one token runs other attention code (programs' `seq > 1`)
+            from .decoder import program_body_events
+
+            return program_body_events("qwen3_5", self.packing, derived, self.layer_types, seq)
         return body_events(self, seq, dtype_bytes)
+
+    def derived_program(self, dtype_bytes: int) -> tuple[tuple[str, int], ...] | None:
+        """The derived program's dims for this model (program dim -> value), or None where no stored program
+        holds for its forward and dims."""
+        return _derived_dims(self, dtype_bytes)
 
     def body_workspace_bytes(self, seq: int, dtype_bytes: int) -> int:
         ws = body_forward_workspace_bytes(self, seq, dtype_bytes, **forward_kwargs(self))   # the declared forward
@@ -1319,6 +1333,27 @@ def _replay(
     _rmsnorm(lv, "norm", s, h, b, "last_hidden_state")
     lv.drop("h_in")
     return lv
+
+
+@functools.lru_cache(maxsize=64)
+def _derived_dims(d: Qwen35Dims, dtype_bytes: int) -> tuple[tuple[str, int], ...] | None:
+    from . import programs
+    from .decoder import PROGRAM_DTYPE_BYTES, program
+
+    if (d.attn_implementation, d.linear_kernels) != ("sdpa", "torch") or d.packing not in ("documents", "mask") \
+            or dtype_bytes not in PROGRAM_DTYPE_BYTES.values() or d.partial_rotary_factor != 0.25 \
+            or d.attention_bias or d.linear_conv_kernel_dim != 4:
+        return None
+    try:
+        p = program("qwen3_5", d.packing)
+    except programs.ProgramError:
+        return None
+    values = {n: getattr(d, key) for n, key in p["dims"].items() if n != "seq" and n not in p.get("derived", {})}
+    try:
+        programs.bind(p, values, 2)     # the conditions on the dims alone (seq 2 meets those on seq)
+    except programs.ProgramError:
+        return None
+    return tuple(sorted(values.items()))
 
 
 @functools.lru_cache(maxsize=64)

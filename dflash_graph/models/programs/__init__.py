@@ -130,8 +130,9 @@ def _poly(poly: list[list], values: dict[str, int]) -> int:
     return int(total)
 
 
-def _expand(piece: dict[str, Any], values: dict[str, int]) -> list[tuple[str, str, int, str]]:
-    """A piece's own events: ("a", id, nbytes, label) / ("f", id, 0, "")."""
+def _expand(piece: dict[str, Any], values: dict[str, int], limit: int | None = None) -> list[tuple[str, str, int, str]]:
+    """A piece's own events: ("a", id, nbytes, label) / ("f", id, 0, ""); `limit`: write at most that many
+    iterations of its loop (the tail then frees what the last of them left)."""
     out: list[tuple[str, str, int, str]] = []
     sized: dict[int, tuple[int, str]] = {}  # an event's size and label, once per piece (a loop repeats its body)
 
@@ -148,6 +149,8 @@ def _expand(piece: dict[str, Any], values: dict[str, int]) -> list[tuple[str, st
         alloc(ev, ev["alloc"]) if "alloc" in ev else out.append(("f", ev["f"], 0, ""))
     loop = piece.get("loop")
     n = _poly(loop["count"], values) if loop else 0
+    if limit is not None:
+        n = min(n, limit)
     for it in range(n):
         for ev in loop["body"]:
             if "alloc" in ev:
@@ -158,9 +161,14 @@ def _expand(piece: dict[str, Any], values: dict[str, int]) -> list[tuple[str, st
                 out.append(("f", f"{ev['f']}@{it + ev['iter']}", 0, ""))
             elif "init" in ev:
                 out.append(("f", ev["init"], 0, ""))
+    # a loop-carried tensor the tail frees from an iteration that never ran (fewer iterations than its offset) is
+    # the one the loop started from: its `init`
+    init = {ev["f"]: ev["init"] for ev in (loop["body"] if loop else ()) if "init" in ev}
     for ev in piece["tail"]:
         if "alloc" in ev:
             alloc(ev, ev["alloc"])
+        elif "iter" in ev and n + ev["iter"] < 0:
+            out.append(("f", init[ev["f"]], 0, ""))
         elif "iter" in ev:
             out.append(("f", f"{ev['f']}@{n + ev['iter']}", 0, ""))
         else:
@@ -202,10 +210,28 @@ def bind(program: dict[str, Any], dims: dict[str, int], seq: int) -> dict[str, i
     return values
 
 
-def piece_events(program: dict[str, Any], values: dict[str, int], name: str) -> list[tuple[str, str, int, str]]:
+def steady_iterations(loop: dict[str, Any]) -> int | None:
+    """How many iterations of a loop stand for all of them, or None. A loop is steady when every tensor an
+    iteration allocates is freed by a later one at most k iterations on (or by itself): from iteration k on,
+    every iteration starts from the same live bytes and allocates and frees the same sizes (they are
+    polynomials in the dims, the same for every iteration), so iterations k + 1, k + 2, ... repeat iteration k's
+    live-bytes curve exactly, and k + 2 written out give the same peak and the same bytes left for the tail."""
+    allocs = {ev["alloc"] for ev in loop["body"] if "alloc" in ev}
+    freed = {ev["f"] for ev in loop["body"] if "f" in ev and "iter" in ev}
+    if allocs != freed:
+        return None
+    return max((-ev["iter"] for ev in loop["body"] if "iter" in ev), default=0) + 2
+
+
+def piece_events(program: dict[str, Any], values: dict[str, int], name: str, *,
+                 steady: bool = False) -> list[tuple[str, str, int, str]]:
     """One piece's own events at these values (`bind`): ("a", id, bytes, label) and ("f", id, 0, ""), a loop
-    written out; ids are the piece's own (an iteration's get "@<i>")."""
-    return _expand(program["pieces"][name], values)
+    written out; ids are the piece's own (an iteration's get "@<i>"). `steady`: a steady loop is written for as
+    many iterations as stand for all of them (`steady_iterations`): the same peak and the same bytes after it."""
+    piece = program["pieces"][name]
+    loop = piece.get("loop")
+    limit = steady_iterations(loop) if steady and loop else None
+    return _expand(piece, values, limit)
 
 
 def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_types: list[str], *,
@@ -258,4 +284,4 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
 
 
 __all__ = ["Event", "ProgramError", "Run", "available", "bind", "derived_values", "evaluate", "holds", "load",
-           "path_of", "piece_events", "poly_value", "sequence"]
+           "path_of", "piece_events", "poly_value", "sequence", "steady_iterations"]
