@@ -69,7 +69,7 @@ class HandStep:
 
     def __init__(self, trainer):
         from dflash_graph.models.nn.dflash import DFlashDrafter
-        from dflash_graph.models.nn.qwen3_5 import final_norm, lm_head
+        from dflash_graph.models.nn.target import final_norm, lm_head
         from dflash_graph.ops.torch_impl import slot_weights
         from dflash_graph.train.trainer import _lr_lambda
 
@@ -113,7 +113,7 @@ class HandStep:
 
     def forward_loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         from dflash_graph.models.nn.dflash import sample_anchors, slot_valid
-        from dflash_graph.models.nn.qwen3_5 import body_forward
+        from dflash_graph.models.nn.target import body_forward
         from dflash_graph.ops.torch_impl import _chunk_loss
 
         ids, pos, mask = batch["input_ids"], batch["position_ids"], batch["loss_mask"]

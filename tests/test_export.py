@@ -15,7 +15,7 @@ from torch import nn
 
 from dflash_graph.exec.devices import torch_devices
 from dflash_graph.exec.models import ModelStore
-from dflash_graph.models.nn.qwen3_5 import embedding, final_norm, lm_head
+from dflash_graph.models.nn.target import embedding, final_norm, lm_head
 from dflash_graph.rewrite.pipeline import compile_graph
 from dflash_graph.train.export import export
 
@@ -105,7 +105,7 @@ def tiny():
 def test_export_reproduces_the_drafters_logits(tiny, tmp_path, dtype):
     plan, drafter, target = tiny
     dims = plan.typed.ctx.models["drafter"].dims
-    out = export(drafter, dims, final_norm(target).weight, target.config, tmp_path / "hf", dtype)
+    out = export(drafter, dims, final_norm(target).weight, target.config, tmp_path / "hf", dtype, norm_plus_one=True)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["torch_dtype"] == dtype
     assert cfg["dflash_config"] == {"target_layer_ids": [1, 3], "block_size": 4, "mask_token_id": 1,

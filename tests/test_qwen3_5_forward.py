@@ -211,7 +211,7 @@ def test_bad_declarations_exit_2_at_the_key(in_repo, capsys, sets, where):
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_run_path_packed_mask_is_transformers_forward(impl):
-    from dflash_graph.models.nn.qwen3_5 import body_forward, build_target
+    from dflash_graph.models.nn.target import body_forward, build_target
 
     torch.manual_seed(0)
     model = build_target(dict(SMALL, model_type="qwen3_5_text"), None, torch.float32, "cpu",

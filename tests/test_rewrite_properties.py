@@ -88,7 +88,7 @@ def store_for(typed: Typed) -> ModelStore:
     cfg = typed.ctx.models["target"].config
     key = tuple(sorted(cfg.items()))
     if key not in _STORES:
-        from dflash_graph.models.nn.qwen3_5 import final_norm
+        from dflash_graph.models.nn.target import final_norm
 
         store = ModelStore(typed, {d: "cpu" for d in typed.ctx.spec.devices})
         g = torch.Generator().manual_seed(1)

@@ -100,7 +100,7 @@ def test_verifier_logits_equal_the_targets_own_forward(in_repo):
     from dflash_graph.exec.devices import torch_devices
     from dflash_graph.exec.interpreter import Interpreter
     from dflash_graph.exec.models import ModelStore
-    from dflash_graph.models.nn.qwen3_5 import document_spans
+    from dflash_graph.models.nn.target import document_spans
     from dflash_graph.rewrite.pipeline import compile_graph
     from dflash_graph.train.data import PackedData
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_graph.models.nn.qwen3_5 import (
+from dflash_graph.models.nn.target import (
     body_forward,
     build_target,
     document_spans,

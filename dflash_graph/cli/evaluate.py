@@ -105,7 +105,7 @@ def cmd_export(args) -> int:
     plan = _plan(args.graph, args.overrides, ckpt)
     tr = Trained(plan, ckpt, "cpu", flag="export DIR")
     out = export(tr.drafter, tr.dims, tr.norm_weight, tr.target.config, Path(args.out), args.dtype, tr.drafter_name,
-                 plan.typed.ctx.spec.loc("models", tr.drafter_name, "config"))
+                 plan.typed.ctx.spec.loc("models", tr.drafter_name, "config"), norm_plus_one=tr.norm_plus_one)
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({args.dtype}): the DFlash draft format "
           f"(z-lab dflash DFlashDraftModel; SGLang --speculative-algorithm DFLASH --speculative-draft-model-path {out})",
           file=sys.stdout)

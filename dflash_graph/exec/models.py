@@ -1,6 +1,7 @@
 """The torch modules a graph's nodes use, built once per (model, torch device).
 
-A qwen3_5 model is built whole where a forward runs on it; a device that needs only some of its components
+A target (any arch the registry marks `target`: models/registry.py) is built whole, through transformers' own
+causal-LM class, where a forward runs on it; a device that needs only some of its components
 (the drafter device needs the target's embedding, final norm and lm_head) gets copies of those modules. A model
 that shares components (`shares`) uses the owner's modules, frozen.
 """
@@ -16,6 +17,7 @@ from torch import nn
 
 from ..analysis.infer import Typed
 from ..errors import GraphError, Problem
+from ..models.registry import ARCHS
 from ..ops import registry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -66,11 +68,11 @@ class ModelStore:
         base = typed.ctx.spec.file
         self.base = Path(base).parent if base else Path(".")
 
-    # -- qwen3_5 ---------------------------------------------------------------------------------------------
+    # -- a target (ARCHS[arch].target) ----------------------------------------------------------------------
     def full(self, model: str, tdev: str) -> nn.Module:
         key = (model, tdev)
         if key not in self._full:
-            from ..models.nn.qwen3_5 import build_target
+            from ..models.nn.target import build_target
 
             m = self.typed.ctx.models[model]
             weights = m.spec.weights
@@ -89,7 +91,8 @@ class ModelStore:
                                          self.typed.ctx.spec.loc("models", model, "attn_implementation"),
                                          hint="declare \"sdpa\" or \"eager\" (packing = \"mask\") for a CPU run"))
             try:
-                built = build_target(dict(m.config), weights, DTYPES[m.spec.dtype], tdev, attn_implementation=impl)
+                built = build_target(dict(m.config), weights, DTYPES[m.spec.dtype], tdev, attn_implementation=impl,
+                                     arch=m.spec.arch)
             except Exception as e:
                 if weights is None:
                     raise
@@ -99,8 +102,8 @@ class ModelStore:
             self._full[key] = built
         return self._full[key]
 
-    def _qwen_part(self, model: str, comp: str, tdev: str) -> nn.Module:
-        from ..models.nn.qwen3_5 import embedding, final_norm, lm_head
+    def _target_part(self, model: str, comp: str, tdev: str) -> nn.Module:
+        from ..models.nn.target import embedding, final_norm, lm_head
 
         pick = {"embed": embedding, "norm": final_norm, "lm_head": lm_head}[comp]
         if (model, tdev) in self._full:
@@ -120,9 +123,9 @@ class ModelStore:
         info = self.typed.ctx.models[model]
         owner, ocomp = info.component_owner(comp).split(".")
         oinfo = self.typed.ctx.models[owner]
-        if oinfo.spec.arch == "qwen3_5":
-            return self._qwen_part(owner, ocomp, tdev)
-        if oinfo.spec.arch == "dflash":
+        if ARCHS[oinfo.spec.arch].target:
+            return self._target_part(owner, ocomp, tdev)
+        if ARCHS[oinfo.spec.arch].trains:
             return self.drafter(owner, tdev)
         raise KeyError(comp)
 

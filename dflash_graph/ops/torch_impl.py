@@ -21,7 +21,7 @@ def token_input(c) -> dict[str, Tensor]:
 
 
 def _forward(c, input_ids: Tensor, position_ids: Tensor, logits: bool) -> dict[str, Tensor]:
-    from ..models.nn.qwen3_5 import body_forward as run_body, final_norm, lm_head
+    from ..models.nn.target import body_forward as run_body, final_norm, lm_head
 
     model = c.module("body")
     capture = list(c.params.get("_taps", ()))   # the layers hook_capture nodes ask for (exec/interpreter.py)

@@ -55,10 +55,10 @@ def _err(msg: str, file: str, line: int | None = None, field: str | None = None,
 def load_tokenizer(path: Path, chat_template: Path | None = None):
     """The target's tokenizer, from local files only: a directory with a tokenizer_config.json goes through
     `AutoTokenizer.from_pretrained` (so its own chat template comes with it); a tokenizer.json (or a directory
-    with only that) through `models.nn.qwen3_5.load_tokenizer`. A chat template is then taken, first match:
+    with only that) through `models.nn.target.load_tokenizer`. A chat template is then taken, first match:
     `chat_template` (`[data] chat_template`), the tokenizer's own, a `chat_template.jinja` beside the file."""
-    from ..models.nn.qwen3_5 import _offline
-    from ..models.nn.qwen3_5 import load_tokenizer as load_json
+    from ..models.nn.target import _offline
+    from ..models.nn.target import load_tokenizer as load_json
 
     _offline()
     try:

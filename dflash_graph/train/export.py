@@ -16,8 +16,9 @@ The format (read from z-lab/dflash `dflash/model.py`: `DFlashDraftModel`, `Qwen3
   `layers.{i}.self_attn.{q,k}_norm.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`; bf16 by default.
 
 `norm.weight`: both readers give the drafter its own plain RMSNorm (w * x/rms(x)) before the target's lm_head;
-the graphs train through the target's Qwen3.5 norm, (1 + w) * x/rms(x), so the export writes 1 + w
-(docs/drafter.md, "The final norm").
+the graphs train through the target's own final norm, so the export writes the weight that makes the plain norm
+equal it: 1 + w for a family whose norm is (1 + w) * x/rms(x) (Qwen3.5: `Arch.norm_plus_one` in
+models/registry.py), w itself for a plain one (Qwen3, Llama, Qwen3-MoE) (docs/drafter.md, "The final norm").
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def export_name(name: str) -> str:
     return name
 
 
-def state_dict(drafter, target_norm_weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def state_dict(drafter, target_norm_weight: torch.Tensor, dtype: torch.dtype, norm_plus_one: bool
+               ) -> dict[str, torch.Tensor]:
     out = {export_name(k): v.detach().to("cpu", torch.float32) for k, v in drafter.state_dict().items()}
-    out["norm.weight"] = 1.0 + target_norm_weight.detach().to("cpu", torch.float32)
+    w = target_norm_weight.detach().to("cpu", torch.float32)
+    out["norm.weight"] = 1.0 + w if norm_plus_one else w.clone()
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
@@ -82,10 +85,11 @@ def config(dims, num_target_layers: int, dtype: str, max_position_embeddings: in
 
 
 def export(drafter, dims, norm_weight: torch.Tensor, target_config, out: Path, dtype: str = "bfloat16",
-           drafter_name: str = "drafter", loc: Location | None = None) -> Path:
+           drafter_name: str = "drafter", loc: Location | None = None, *, norm_plus_one: bool) -> Path:
     """Write `out/config.json` and `out/model.safetensors` for a trained `drafter` (DFlashDrafter) whose final
-    norm is the target's (`norm_weight`, a (1 + w) norm); `target_config` gives num_hidden_layers and
-    max_position_embeddings; `loc` is where the graph declares the drafter's config."""
+    norm is the target's (`norm_weight`: a (1 + w) norm where `norm_plus_one`, a plain w norm otherwise);
+    `target_config` gives num_hidden_layers and max_position_embeddings; `loc` is where the graph declares the
+    drafter's config."""
     d = dims
     if d.target_hidden_size != d.hidden_size:
         raise GraphError(Problem("the DFlash format needs the drafter's hidden_size equal to the target's",
@@ -94,7 +98,7 @@ def export(drafter, dims, norm_weight: torch.Tensor, target_config, out: Path, d
     from .checkpoint import save_tensors   # safetensors' I/O failures as the OSError they are
 
     out.mkdir(parents=True, exist_ok=True)
-    sd = state_dict(drafter, norm_weight, DTYPES[dtype])
+    sd = state_dict(drafter, norm_weight, DTYPES[dtype], norm_plus_one)
     save_tensors(sd, out / "model.safetensors", {"format": "pt"})
     get = target_config.get if isinstance(target_config, dict) else lambda k, dflt=None: getattr(target_config, k, dflt)
     cfg = config(d, int(get("num_hidden_layers")), dtype, int(get("max_position_embeddings", 32768) or 32768))
@@ -104,6 +108,7 @@ def export(drafter, dims, norm_weight: torch.Tensor, target_config, out: Path, d
 
 def export_trainer(trainer, out: Path, dtype: str = "bfloat16") -> Path:
     """Export at the end of `dflash-graph run`, from the trainer's own modules."""
+    from ..models.registry import ARCHS
     from .trained import drafter_names
 
     name, target = drafter_names(trainer.plan)
@@ -113,4 +118,5 @@ def export_trainer(trainer, out: Path, dtype: str = "bfloat16") -> Path:
     norm = store.component(name, "norm", tdev).weight
     return export(drafter, trainer.plan.typed.ctx.models[name].dims, norm,
                   dict(trainer.plan.typed.ctx.models[target].config), out, dtype, name,
-                  trainer.plan.typed.ctx.spec.loc("models", name, "config"))
+                  trainer.plan.typed.ctx.spec.loc("models", name, "config"),
+                  norm_plus_one=ARCHS[trainer.plan.typed.ctx.models[target].spec.arch].norm_plus_one)

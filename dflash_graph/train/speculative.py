@@ -21,10 +21,10 @@ from torch import Tensor
 
 
 class Decoder:
-    """The target (a Qwen3_5ForCausalLM), its final norm and lm_head, and the drafter (DFlashDrafter)."""
+    """The target (its arch's transformers causal LM), its final norm and lm_head, and the drafter (DFlashDrafter)."""
 
     def __init__(self, target, drafter, layer_ids, block: int, eos: int | None):
-        from ..models.nn.qwen3_5 import final_norm, lm_head
+        from ..models.nn.target import final_norm, lm_head
 
         self.target, self.drafter = target, drafter
         self.norm, self.head = final_norm(target), lm_head(target)
@@ -32,7 +32,7 @@ class Decoder:
         self.forwards = 0
 
     def _target(self, ids: list[int], features: bool) -> tuple[Tensor, Tensor | None]:
-        from ..models.nn.qwen3_5 import body_forward
+        from ..models.nn.target import body_forward
 
         dev = self.head.weight.device
         x = torch.tensor(ids, dtype=torch.int64, device=dev)

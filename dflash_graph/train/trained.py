@@ -9,6 +9,7 @@ import torch
 
 from ..errors import GraphError, Location, Problem
 from ..exec.models import ModelStore
+from ..models.registry import ARCHS
 from ..rewrite.pipeline import Plan
 
 
@@ -16,14 +17,19 @@ def drafter_names(plan: Plan) -> tuple[str, str]:
     """(drafter model, target model): the trainable dflash model and the model it takes its embedding from."""
     models = plan.typed.ctx.models
     spec = plan.typed.ctx.spec
-    dr = [n for n, m in models.items() if m.spec.arch == "dflash"]
+    dr = [n for n, m in models.items() if ARCHS[m.spec.arch].trains]
     if len(dr) != 1:
         raise GraphError(Problem(f"the graph has {len(dr)} dflash models; eval and export need exactly one",
                                  spec.loc("models")))
     target = models[dr[0]].component_owner("embed").split(".")[0]
-    if target == dr[0] or models[target].spec.arch != "qwen3_5":
-        raise GraphError(Problem(f"drafter '{dr[0]}' does not take its embedding from a qwen3_5 target",
-                                 spec.loc("models", dr[0], "shares"), hint='shares = { embed = "target.embed", ... }'))
+    if target == dr[0] or not ARCHS[models[target].spec.arch].target:
+        raise GraphError(Problem(f"drafter '{dr[0]}' does not take its embedding from a target model",
+                                 spec.loc("models", dr[0], "shares"),
+                                 expected="a model of a target arch (" + ", ".join(
+                                     a.name for a in ARCHS.values() if a.target) + ")",
+                                 actual=f"'{target}'" + ("" if target == dr[0] else
+                                                         f" (arch '{models[target].spec.arch}')"),
+                                 hint='shares = { embed = "target.embed", ... }'))
     return dr[0], target
 
 
@@ -66,6 +72,11 @@ class Trained:
 
     @property
     def norm_weight(self) -> torch.Tensor:
-        from ..models.nn.qwen3_5 import final_norm
+        from ..models.nn.target import final_norm
 
         return final_norm(self.target).weight.detach()
+
+    @property
+    def norm_plus_one(self) -> bool:
+        """The target's final norm scales by (1 + w) (models/registry.py `Arch.norm_plus_one`)."""
+        return ARCHS[self.plan.typed.ctx.models[self.target_name].spec.arch].norm_plus_one

@@ -1,16 +1,18 @@
-"""Torch-side helpers for a Qwen3.5 target (transformers ``Qwen3_5ForCausalLM``).
+"""Torch-side helpers for a target: any causal LM the registry names (models/registry.py `ARCHS[arch]`:
+`hf_config`, `hf_causal_lm`), built through transformers' own class.
 
 Everything here works from local files only: no model hub, no network.
 
-* :func:`build_target`   - a ``Qwen3_5ForCausalLM`` from a local config (dict, config.json,
-                           or a directory) and local weights (a directory or a
-                           ``.safetensors`` file), or randomly initialised.
+* :func:`build_target`   - the arch's causal LM (``Qwen3ForCausalLM``, ``LlamaForCausalLM``,
+                           ``Qwen3MoeForCausalLM``, ``Qwen3_5ForCausalLM``, ...) from a local config
+                           (dict, config.json, or a directory) and local weights (a directory or a
+                           ``.safetensors`` file, sharded or not), or randomly initialised.
 * :func:`body_forward`   - the transformer body only (never ``lm_head``) over a packed
                            sequence, document by document, with layer outputs captured
-                           by forward hooks.
+                           by forward hooks on ``model.model.layers``.
 * :func:`final_norm`, :func:`lm_head`, :func:`embedding` - the target's own modules. Use
-  the target's own final norm: Qwen3.5's RMSNorm scales by ``(1 + w)``, not ``w``
-  (speculators issue 1098), so a rebuilt plain RMSNorm gives wrong verifier logits.
+  the target's own final norm: Qwen3.5's RMSNorm scales by ``(1 + w)``, Qwen3's and Llama's
+  by ``w`` (speculators issue 1098: a rebuilt plain RMSNorm gives wrong Qwen3.5 verifier logits).
 * :func:`load_tokenizer` - a ``PreTrainedTokenizerFast`` from a local tokenizer.json.
 
 Layer ids follow DFlash: layer id ``i`` is the OUTPUT of decoder layer ``i``, which is
@@ -20,7 +22,7 @@ layer id ``L - 1`` here is the raw output of the last decoder layer (pre-norm).
 
 Packed sequences: documents start where ``position_ids == 0``. transformers isolates
 packed documents in its full-attention layers (a block-diagonal mask derived from
-position ids), but the Gated DeltaNet layers (torch fallback, and the causal conv1d
+position ids), but Qwen3.5's Gated DeltaNet layers (torch fallback, and the causal conv1d
 before it) ignore document boundaries and carry state across the whole row. So by
 default (``packing="documents"``) :func:`body_forward` runs each document separately and
 concatenates the results. A graph that declares ``packing = "mask"`` or ``"cu_seqlens"``
@@ -34,12 +36,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from ..registry import ARCHS, target_arch_of
 
 __all__ = [
     "build_target",
@@ -50,9 +54,10 @@ __all__ = [
     "lm_head",
     "load_config",
     "load_tokenizer",
+    "mask_token_rule",
 ]
 
-EOS_TOKEN = "<|endoftext|>"
+EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>")   # Qwen's, Llama 3's
 MASK_TOKEN = "<|mask|>"
 
 
@@ -64,35 +69,85 @@ def _offline() -> None:
 
 
 # --------------------------------------------------------------------------- config / model
-def load_config(config: Mapping[str, Any] | str | Path):
-    """A ``Qwen3_5TextConfig`` from a dict, a config.json path, or a directory holding one.
-
-    A full multimodal Qwen3.5 config (``model_type`` "qwen3_5" with a ``text_config``)
-    is reduced to its text config, which is what ``Qwen3_5ForCausalLM`` needs.
-    """
-    from transformers import Qwen3_5TextConfig
-
-    if isinstance(config, Qwen3_5TextConfig):
-        return config
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        if path.is_dir():
-            path = path / "config.json"
-        data = json.loads(path.read_text(encoding="utf-8"))
-    elif isinstance(config, Mapping):
-        data = dict(config)
-    else:
-        raise TypeError(f"config must be a dict, a path to config.json or a directory, got {type(config).__name__}")
+def _qwen3_5_text(data: dict[str, Any]) -> dict[str, Any]:
+    """A full multimodal Qwen3.5 config (``model_type`` "qwen3_5" with a ``text_config``) reduced to its text
+    config, which is what ``Qwen3_5ForCausalLM`` needs."""
     if data.get("model_type") == "qwen3_5" or "text_config" in data:
         text = dict(data.get("text_config") or {})
         for key in ("tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id"):
             if key in data and key not in text:
                 text[key] = data[key]
-        data = text
-    mt = data.pop("model_type", "qwen3_5_text")
-    if mt != "qwen3_5_text":
-        raise ValueError(f"expected a Qwen3.5 text config (model_type 'qwen3_5_text'), got model_type {mt!r}")
-    return Qwen3_5TextConfig.from_dict(data)
+        text.setdefault("model_type", "qwen3_5_text")
+        return text
+    return data
+
+
+def _qwen3_5_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Map a Qwen3_5ForConditionalGeneration checkpoint's text keys onto Qwen3_5ForCausalLM."""
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        if key.startswith(("mtp.", "model.visual.", "visual.")):
+            continue  # multi-token-prediction head and vision tower: not part of the text model
+        if key.startswith("model.language_model."):
+            key = "model." + key[len("model.language_model.") :]
+        elif key.startswith("language_model."):
+            key = "model." + key[len("language_model.") :]
+        out[key] = value
+    return out
+
+
+# NOTE [Family adapters]: what one family's files need before transformers' own class reads them. Qwen3.5 ships as
+# a multimodal checkpoint (a text_config inside, language_model.* keys, a vision tower and an MTP head); the
+# text-only families (Qwen3, Llama, Qwen3-MoE) need nothing.
+CONFIG_ADAPTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"qwen3_5": _qwen3_5_text}
+KEY_ADAPTERS: dict[str, Callable[[dict[str, Tensor]], dict[str, Tensor]]] = {"qwen3_5": _qwen3_5_keys}
+
+
+def _read_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        return json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise TypeError(f"config must be a dict, a path to config.json or a directory, got {type(config).__name__}")
+
+
+def _arch_of(data: Mapping[str, Any], arch: str | None) -> str:
+    if arch is None:
+        mt = data.get("model_type") or (data.get("text_config") or {}).get("model_type")
+        arch = target_arch_of(mt) if mt else None
+        if arch is None:
+            raise ValueError(f"config model_type {mt!r} names no target arch; give arch= "
+                             f"(one of {sorted(a.name for a in ARCHS.values() if a.target)})")
+    if arch not in ARCHS or not ARCHS[arch].target or not ARCHS[arch].hf_causal_lm:
+        raise ValueError(f"arch {arch!r} is not a target transformers builds "
+                         f"(targets: {sorted(a.name for a in ARCHS.values() if a.target)})")
+    return arch
+
+
+def load_config(config: Any, arch: str | None = None):
+    """The arch's transformers config (``ARCHS[arch].hf_config``) from a dict, a config.json path, a directory
+    holding one, or a config object already. ``arch`` None: the arch whose ``model_types`` holds the config's
+    ``model_type``. A config whose ``model_type`` is another family's is refused, never read as this one."""
+    import transformers
+
+    if isinstance(config, transformers.PretrainedConfig):
+        arch = _arch_of({"model_type": config.model_type}, arch)
+        cls = getattr(transformers, ARCHS[arch].hf_config)
+        if not isinstance(config, cls):
+            raise ValueError(f"expected a {cls.__name__} for arch {arch!r}, got {type(config).__name__}")
+        return config
+    data = _read_config(config)
+    arch = _arch_of(data, arch)
+    data = CONFIG_ADAPTERS.get(arch, lambda d: d)(data)
+    cls = getattr(transformers, ARCHS[arch].hf_config)
+    mt = data.pop("model_type", cls.model_type)
+    if mt != cls.model_type:
+        raise ValueError(f"expected a {cls.__name__} config (model_type {cls.model_type!r}) for arch {arch!r}, "
+                         f"got model_type {mt!r}")
+    return cls.from_dict(data)
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -116,65 +171,61 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
     raise FileNotFoundError(f"no model.safetensors(.index.json) under {path}")
 
 
-def _remap_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Map a Qwen3_5ForConditionalGeneration checkpoint's text keys onto Qwen3_5ForCausalLM."""
-    out: dict[str, Tensor] = {}
-    for key, value in state.items():
-        if key.startswith(("mtp.", "model.visual.", "visual.")):
-            continue  # multi-token-prediction head and vision tower: not part of the text model
-        if key.startswith("model.language_model."):
-            key = "model." + key[len("model.language_model.") :]
-        elif key.startswith("language_model."):
-            key = "model." + key[len("language_model.") :]
-        out[key] = value
-    return out
-
-
 def build_target(
     config: Mapping[str, Any] | str | Path,
     weights: str | Path | None,
     dtype: torch.dtype,
     device: torch.device | str,
     attn_implementation: str = "sdpa",
+    arch: str | None = None,
 ):
-    """Build a ``Qwen3_5ForCausalLM`` in eval mode on ``device`` with parameters in ``dtype``.
+    """Build the target arch's causal LM (``ARCHS[arch].hf_causal_lm``) in eval mode on ``device`` with
+    parameters in ``dtype``.
 
-    ``config``: a dict, a path to config.json, or a directory with one.
+    ``config``: a dict, a path to config.json, or a directory with one; ``arch`` None takes the arch from its
+    ``model_type``.
     ``weights``: a directory (``model.safetensors`` or a sharded
     ``model.safetensors.index.json``) or one ``.safetensors`` file, loaded with
-    safetensors and checked strictly (missing or unexpected keys raise); ``None``
-    keeps transformers' random init, which the caller seeds (``torch.manual_seed``).
+    safetensors and checked strictly (missing or unexpected keys raise; a tied lm_head may be absent);
+    ``None`` keeps transformers' random init, which the caller seeds (``torch.manual_seed``).
     ``attn_implementation``: transformers' attention interface ("sdpa", "eager",
     "flash_attention_2"; the last needs the flash-attn package and a CUDA device).
     Never touches the network.
     """
     _offline()
-    from transformers import Qwen3_5ForCausalLM
+    import transformers
 
-    cfg = load_config(config)
+    data = config if not isinstance(config, (str, Path, Mapping)) else _read_config(config)
+    arch = _arch_of({"model_type": data.model_type} if isinstance(data, transformers.PretrainedConfig) else data, arch)
+    cfg = load_config(data, arch)
+    causal_lm = getattr(transformers, ARCHS[arch].hf_causal_lm)
     device = torch.device(device)
     with torch.device(device):
         # _from_config builds the parameters directly in `dtype` (no fp32 detour)
-        model = Qwen3_5ForCausalLM._from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+        model = causal_lm._from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     if weights is not None:
-        state = _remap_keys(_read_safetensors(Path(weights)))
-        if cfg.tie_word_embeddings and "lm_head.weight" not in state:
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        state = KEY_ADAPTERS.get(arch, lambda s: s)(_read_safetensors(Path(weights)))
+        if tied and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         result = model.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
         if missing or result.unexpected_keys:
             raise ValueError(
                 f"weights {weights} do not match the config: missing {missing[:8]}"
                 f"{'...' if len(missing) > 8 else ''}, unexpected {result.unexpected_keys[:8]}"
                 f"{'...' if len(result.unexpected_keys) > 8 else ''}"
             )
+        if tied:
+            model.tie_weights()
     model.eval()
     return model
 
 
 # --------------------------------------------------------------------------- module accessors
 def final_norm(model) -> nn.Module:
-    """The target's own final RMSNorm (``model.model.norm``; scales by ``1 + w``)."""
+    """The target's own final RMSNorm (``model.model.norm``): ``(1 + w) * x/rms(x)`` where the arch's
+    ``norm_plus_one`` (Qwen3.5), ``w * x/rms(x)`` otherwise (Qwen3, Llama, Qwen3-MoE)."""
     return model.model.norm
 
 
@@ -279,8 +330,8 @@ def body_forward(
 # --------------------------------------------------------------------------- tokenizer
 def load_tokenizer(path: str | Path):
     """A ``PreTrainedTokenizerFast`` from a local ``tokenizer.json`` (or a directory
-    holding one), with ``<|endoftext|>`` as eos and pad and ``<|mask|>`` as mask token
-    when the vocabulary has them. ``.backend_tokenizer`` is the raw
+    holding one), with ``<|endoftext|>`` (Qwen) or ``<|end_of_text|>`` (Llama 3) as eos and pad, and
+    ``<|mask|>`` as mask token, when the vocabulary has them. ``.backend_tokenizer`` is the raw
     ``tokenizers.Tokenizer``. Never touches the network."""
     _offline()
     from transformers import PreTrainedTokenizerFast
@@ -294,8 +345,30 @@ def load_tokenizer(path: str | Path):
     raw = Tokenizer.from_file(str(file))
     vocab = raw.get_vocab(with_added_tokens=True)
     special: dict[str, str] = {}
-    if EOS_TOKEN in vocab:
-        special.update(eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    eos = next((t for t in EOS_TOKENS if t in vocab), None)
+    if eos is not None:
+        special.update(eos_token=eos, pad_token=eos)
     if MASK_TOKEN in vocab:
         special["mask_token"] = MASK_TOKEN
     return PreTrainedTokenizerFast(tokenizer_object=raw, **special)
+
+
+def mask_token_rule(tokenizer, vocab_size: int) -> tuple[int, str]:
+    """(id, why): the mask token a drafter for a target with this tokenizer and embedding size should use
+    (docs/drafter.md, "The mask token"). First match: the tokenizer's ``<|mask|>``; an embedding row past the
+    tokenizer's last token (Qwen3's embedding has 151,936 rows for 151,669 tokens: a row no text ever uses);
+    the first unused reserved special token (Llama 3's ``<|reserved_special_token_0|>``); else the pad token
+    (SpecForge's fallback, specforge/training/model_utils.py ``resolve_mask_token_id``), which text also uses."""
+    vocab = tokenizer.get_vocab()
+    if MASK_TOKEN in vocab and vocab[MASK_TOKEN] < vocab_size:
+        return vocab[MASK_TOKEN], f"the tokenizer's {MASK_TOKEN}"
+    n = len(tokenizer)
+    if n < vocab_size:
+        return n, f"embedding row {n}: the first past the tokenizer's {n:,} tokens, which no text uses"
+    reserved = sorted((i, t) for t, i in vocab.items() if "reserved" in t and i < vocab_size)
+    if reserved:
+        return reserved[0][0], f"{reserved[0][1]}, a reserved special token no text uses"
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id), ("the pad token (the vocabulary has no spare token: the drafter's mask "
+                                            "is then a token that text also uses)")
+    raise ValueError("the tokenizer has no <|mask|>, no spare embedding row, no reserved token and no pad token")
