@@ -151,3 +151,34 @@ def test_tiny_target_trains_evals_and_exports(in_repo, tmp_path, capsys, graph):
         theirs = torch.nn.functional.linear(h, tr.target.lm_head.weight.float())[0]
     assert (theirs - ours.float()).abs().max() < 0.05 * ours.float().abs().max()
     assert (theirs.argmax(-1) == ours.float().argmax(-1)).float().mean() >= 0.75
+
+
+def test_mask_token_rule_for_a_vocabulary_with_and_without_a_spare_token():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_graph.models.nn.target import load_tokenizer, mask_token_rule
+
+    assert mask_token_rule(load_tokenizer(REPO / "graphs/tiny/tokenizer.json"), 768)[0] == 1      # its <|mask|>
+
+    def tok(words, **special):
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({w: i for i, w in enumerate(words)},
+                                                                            unk_token=words[0])), **special)
+
+    llama_like = tok(["<unk>", "a", "<|reserved_special_token_0|>", "<|end_of_text|>"])
+    assert mask_token_rule(llama_like, 6)[0] == 4            # embedding rows past the tokenizer: the first
+    assert mask_token_rule(llama_like, 4)[0] == 2            # no spare row: the reserved token
+    bare = tok(["<unk>", "a", "<pad>"], pad_token="<pad>")
+    id_, why = mask_token_rule(bare, 3)
+    assert id_ == 2 and "no spare token" in why              # the last resort says what it costs
+
+
+def test_a_drafter_config_without_a_mask_token_says_what_to_set():
+    from dflash_graph.models.dflash import CONFIG_KEYS, DFlashDims
+
+    cfg = {k: 4 for k in CONFIG_KEYS} | {"target_layer_ids": [1, 3], "rms_norm_eps": 1e-6, "rope_theta": 1e4,
+                                         "vocab_size": 768, "hidden_size": 128, "target_hidden_size": 128}
+    del cfg["mask_token_id"]
+    with pytest.raises(ValueError, match=r"mask_token_id.*<\|mask\|>.*docs/drafter.md"):
+        DFlashDims.from_config(cfg)

@@ -137,7 +137,8 @@ class DFlashDims:
                 )
         missing = sorted(CONFIG_KEYS - set(cfg))
         if missing:
-            raise ValueError(f"missing DFlash config key(s) {missing}")
+            raise ValueError(f"missing DFlash config key(s) {missing}" + "".join(
+                f"; {MISSING_HELP[k]}" for k in missing if k in MISSING_HELP))
         kw: dict[str, Any] = {}
         for key in _INT_KEYS:
             kw[key] = _as_int(key, cfg[key])
@@ -153,6 +154,16 @@ class DFlashDims:
 
 
 CONFIG_KEYS: frozenset[str] = frozenset(f.name for f in attrs.fields(DFlashDims))
+
+# NOTE [No default mask token]: a wrong mask id trains a drafter that no server feeds the same block input, and
+# the right one depends on the target's tokenizer, so a graph declares it; the message gives the rule
+# (docs/drafter.md, "The mask token and the target layers").
+MISSING_HELP = {   # short: check prints at most 300 characters of a config error
+    "mask_token_id": "set mask_token_id to the target tokenizer <|mask|> id, else to a token no text uses "
+                     "(docs/drafter.md: The mask token and the target layers)",
+    "target_layer_ids": "set target_layer_ids: n ids evenly spaced from 1 to L - 3 for L target layers, n drafter "
+                        "layers (docs/drafter.md)",
+}
 
 
 def _as_int(key: str, value: Any) -> int:
