@@ -175,6 +175,25 @@ def test_qwen3_5_layers_in_any_order_and_number():
     assert run.peak == memtracker_peak(spec, point, "documents", layer_types=types)
 
 
+@pytest.mark.parametrize("key", STORED, ids=[_id(k) for k in STORED])
+def test_parameter_counts_equal_transformers_numel_at_held_out_points(key):
+    """Each component's stored parameter count, at the program's held-out points and layers, is the numel of
+    transformers' own model built there on the meta device (embedding, the layers summed, norm, lm_head)."""
+    from dflash_graph.models.trace.params import build_meta
+
+    spec = ARCHS[key["arch"]]
+    prog = programs.load(key["arch"], packing=key["packing"])
+    for h in prog["held_out"]:
+        model, _ = build_meta(spec, h["point"], h["layers"])
+        want = {"embed": model.model.embed_tokens, "layers": model.model.layers, "norm": model.model.norm,
+                "lm_head": model.lm_head}
+        got = programs.params(prog, {k: v for k, v in h["point"].items() if k != "seq"}, h["layers"])
+        assert got == {c: sum(p.numel() for p in m.parameters()) for c, m in want.items()}, h["point"]
+        assert sum(got.values()) == sum(p.numel() for p in model.parameters())
+    with pytest.raises(programs.ProgramError, match="layer type 'mamba' has no derived parameter count"):
+        programs.params(prog, h["point"], ["mamba"])
+
+
 REALISTIC_CASES = [(k, name) for k in STORED for name in REALISTIC.get(k["arch"], {})]
 
 

@@ -7,6 +7,7 @@ forward (batch 1, torch.no_grad, use_cache=False), derived by running transforme
     prog = load("qwen3", attn="sdpa", kernels="cpu_flash")
     run = evaluate(prog, {"hidden": 4096, ...}, seq=32768, layer_types=["decoder"] * 36)
     run.peak, run.events, run.piece_peak
+    params(prog, {"hidden": 4096, ...}, ["decoder"] * 36)   # {"embed", "layers", "norm", "lm_head"}: counts
 """
 
 from __future__ import annotations
@@ -283,5 +284,34 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
     return Run(tuple(events), peak, piece_peak, peak_at)
 
 
+def params(program: dict[str, Any], dims: dict[str, int], layer_types: list[str]) -> dict[str, int]:
+    """The parameter count of each component of the causal LM for these dims and layers: {"embed", "layers" (the
+    sum over `layer_types`), "norm", "lm_head"}, from the program's "params" (each component's count as a
+    polynomial in the dims, derived from transformers' own model built on the meta device). No seq: a parameter's
+    size does not depend on it (nor on the packing)."""
+    stored = program.get("params")
+    if stored is None:
+        raise ProgramError(f"the stored {program['key']['arch']} program (packing {program['key']['packing']}) has "
+                           f"no parameter counts; derive them with `python tools/derive_programs.py --arch "
+                           f"{program['key']['arch']} --params-only`")
+    derived = program.get("derived", {})
+    need = set(program["dims"]) - {"seq"} - set(derived)
+    missing = sorted(need - set(dims))
+    if missing:
+        raise ProgramError(f"missing dims {missing} (the program's dims: {sorted(need)})")
+    values = dict(dims)
+    # the derived dims computable without seq (kv groups, linear value heads per key head; not the chunk count)
+    values.update(derived_values({k: v for k, v in derived.items()
+                                  if all(not isinstance(x, str) or x in values for x in v[1:])}, values))
+    per_type: dict[str, int] = {}
+    for t in dict.fromkeys(layer_types):
+        if f"layer:{t}" not in stored:
+            known = [n.removeprefix("layer:") for n in stored if n.startswith("layer:")]
+            raise ProgramError(f"layer type {t!r} has no derived parameter count (derived: {known})")
+        per_type[t] = _poly(stored[f"layer:{t}"], values)
+    return {"embed": _poly(stored["embed"], values), "layers": sum(per_type[t] for t in layer_types),
+            "norm": _poly(stored["norm"], values), "lm_head": _poly(stored["lm_head"], values)}
+
+
 __all__ = ["Event", "ProgramError", "Run", "available", "bind", "derived_values", "evaluate", "holds", "load",
-           "path_of", "piece_events", "poly_value", "sequence", "steady_iterations"]
+           "params", "path_of", "piece_events", "poly_value", "sequence", "steady_iterations"]
