@@ -8,11 +8,14 @@ no torch. The fitter reports, never drops, an allocation whose size does not fit
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from dflash_graph.models import programs
 
@@ -56,6 +59,82 @@ def test_only_tools_and_tests_import_the_tracer():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if "models.trace" in n]
     assert not bad, bad
+
+
+@functools.lru_cache(maxsize=None)
+def _stored(arch: str, packing: str) -> dict:
+    return programs.load(arch, packing=packing)
+
+
+@st.composite
+def _admissible(draw, arch: str, packing: str):
+    """Dims, seq, layers and upto a program holds for: each dim drawn small, a quotient dim ("div") made whole,
+    head_dim a multiple of 8 (as the design's) and a dim a condition wants a multiple of n one, then the
+    program's conditions assumed; seqs up to several
+    delta-rule chunks."""
+    prog = _stored(arch, packing)
+    # a dim a condition wants a multiple of n ("hidden % 8 == 0") is drawn as one
+    step = {w[0]: int(w[2]) for w in (c.split() for c in prog.get("holds_when", ())) if len(w) == 5 and w[4] == "0"}
+    values = {d: step.get(d, 1) * draw(st.integers(1, 48 // step.get(d, 1)), label=d)
+              for d in prog["dims"] if d != "seq"}
+    values["head_dim"] = 8 * draw(st.integers(1, 6), label="head_dim / 8")  # rotary: Qwen3.5's dim is head_dim/4, halved
+    for name, (op, a, b) in prog.get("derived", {}).items():
+        if op == "div":
+            values[a] = values[b] * draw(st.integers(1, 4), label=name)
+    values["seq"] = draw(st.integers(2, 700), label="seq")
+    values.update(programs.derived_values(prog.get("derived", {}), values))
+    assume(all(programs.holds(c, values) for c in prog.get("holds_when", ())))
+    layers = draw(st.lists(st.sampled_from(prog["layer_types"]), min_size=1, max_size=6), label="layers")
+    upto = draw(st.sampled_from(["end", "epilogue"]), label="upto")
+    return {d: values[d] for d in prog["dims"] if d != "seq"}, values["seq"], layers, upto
+
+
+@pytest.mark.parametrize("key", STORED, ids=[_id(k) for k in STORED])
+@given(data=st.data())
+@settings(max_examples=max(1, settings.default.max_examples // 3))  # 8 programs: a few seconds in all
+def test_the_fast_walk_equals_the_full_expansion(key, data):
+    """evaluate's peaks, computed piece by piece with a loop's iterations extrapolated, are those of the replay of
+    every event (expand=True), at random admissible dims, seqs, layers and stopping points; the events it expands
+    on demand are the replay's."""
+    prog = _stored(key["arch"], key["packing"])
+    dims, seq, layers, upto = data.draw(_admissible(key["arch"], key["packing"]))
+    fast = programs.evaluate(prog, dims, seq, layers, upto=upto)
+    full = programs.evaluate(prog, dims, seq, layers, upto=upto, expand=True)
+    assert (fast.peak, fast.piece_peak, fast.peak_event) == (full.peak, full.piece_peak, full.peak_event)
+    live: dict[str, int] = {}
+    for e in fast.events[: fast.peak_event + 1]:  # the live bytes right after the peak's allocation are the peak
+        if e.kind == "alloc":
+            live[e.id] = e.nbytes
+        else:
+            del live[e.id]
+    assert fast.events[fast.peak_event].kind == "alloc" and sum(live.values()) == fast.peak
+    assert fast.events == full.events
+
+
+def _alloc(ident: str, n: int) -> dict:
+    return {"alloc": ident, "dtype": "uint8", "itemsize": 1, "shape": [[[n, 1]]], "shape_text": f"[{n}]",
+            "storage": "shape", "op": "aten.empty.memory_format", "module": "m"}
+
+
+def test_the_fast_walk_extrapolates_a_loop_that_grows():
+    """A loop whose iterations keep something (net +5 bytes each) peaks in its last iteration, one whose free
+    reaches two iterations back repeats only after a warm-up: the fast walk equals the replay at every count."""
+    loop = {"count": [[1, 1, "c"]], "count_text": "c",
+            "body": [_alloc("b0", 5), _alloc("b1", 7), _alloc("b2", 2), _alloc("b3", 4), {"f": "b1", "iter": 0},
+                     {"f": "b2", "iter": -2}, {"f": "b3", "iter": -1, "init": "h1"}]}
+    prog = {"key": {"arch": "toy", "packing": "documents"}, "dims": {"c": "c", "seq": "seq"}, "derived": {},
+            "pieces": {"embed": {"head": [_alloc("h0", 8)], "tail": [],
+                                 "exports": [{"id": "h0", "dies": {"piece": "end", "at": 0}}]},
+                       "layer:x": {"head": [_alloc("h0", 3), _alloc("h1", 11)], "loop": loop, "tail": [{"f": "h0"}],
+                                   "exports": []},
+                       "between": {"head": [], "tail": [], "exports": []}, "end": {"head": [], "tail": [], "exports": []}}}
+    peaks = []
+    for c in range(7):
+        fast = programs.evaluate(prog, {"c": c}, 1, ["x", "x"])
+        full = programs.evaluate(prog, {"c": c}, 1, ["x", "x"], expand=True)
+        assert (fast.peak, fast.piece_peak, fast.peak_event) == (full.peak, full.piece_peak, full.peak_event), c
+        peaks.append(fast.peak)
+    assert peaks[-1] - peaks[-2] == 2 * 5  # the second layer's last iteration, over both layers' kept bytes
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -173,6 +252,25 @@ def test_qwen3_5_layers_in_any_order_and_number():
     types = ["full_attention", "linear_attention", "linear_attention"]
     run = programs.evaluate(prog, {k: v for k, v in point.items() if k != "seq"}, point["seq"], types)
     assert run.peak == memtracker_peak(spec, point, "documents", layer_types=types)
+
+
+@pytest.mark.parametrize("key", STORED, ids=[_id(k) for k in STORED])
+def test_parameter_counts_equal_transformers_numel_at_held_out_points(key):
+    """Each component's stored parameter count, at the program's held-out points and layers, is the numel of
+    transformers' own model built there on the meta device (embedding, the layers summed, norm, lm_head)."""
+    from dflash_graph.models.trace.params import build_meta
+
+    spec = ARCHS[key["arch"]]
+    prog = programs.load(key["arch"], packing=key["packing"])
+    for h in prog["held_out"]:
+        model, _ = build_meta(spec, h["point"], h["layers"])
+        want = {"embed": model.model.embed_tokens, "layers": model.model.layers, "norm": model.model.norm,
+                "lm_head": model.lm_head}
+        got = programs.params(prog, {k: v for k, v in h["point"].items() if k != "seq"}, h["layers"])
+        assert got == {c: sum(p.numel() for p in m.parameters()) for c, m in want.items()}, h["point"]
+        assert sum(got.values()) == sum(p.numel() for p in model.parameters())
+    with pytest.raises(programs.ProgramError, match="layer type 'mamba' has no derived parameter count"):
+        programs.params(prog, h["point"], ["mamba"])
 
 
 REALISTIC_CASES = [(k, name) for k in STORED for name in REALISTIC.get(k["arch"], {})]

@@ -7,6 +7,7 @@ written (docs/memory-programs.md).
     python tools/derive_programs.py                     # every arch, packing documents and mask
     python tools/derive_programs.py --arch qwen3 --packing documents
     python tools/derive_programs.py --arch qwen3_5 --cache /tmp/traces   # reuse traces when refitting
+    python tools/derive_programs.py --params-only       # only the stored programs' parameter counts (seconds)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dflash_graph.models.trace.archs import ARCHS  # noqa: E402
-from dflash_graph.models.trace.derive import derive, write  # noqa: E402
+from dflash_graph.models.trace.derive import derive, with_params, write  # noqa: E402
 from dflash_graph.models.trace.fit import FitError  # noqa: E402
 
 
@@ -28,12 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", action="append", choices=sorted(ARCHS), help="repeatable; default: all")
     ap.add_argument("--packing", action="append", choices=("documents", "mask"), help="repeatable; default: both")
     ap.add_argument("--cache", type=Path, help="keep each trace here and reuse it (a refit costs no new trace)")
+    ap.add_argument("--params-only", action="store_true",
+                    help="rederive only the stored programs' \"params\" (the meta-device model, no trace)")
     args = ap.parse_args(argv)
     failed = 0
     for arch in args.arch or sorted(ARCHS):
         for packing in args.packing or ("documents", "mask"):
             try:
-                path = write(derive(arch, packing, cache=args.cache))
+                path = write(with_params(arch, packing) if args.params_only else derive(arch, packing, cache=args.cache))
             except FitError as e:
                 print(f"{arch}/{packing}: not derived: {e}", file=sys.stderr)
                 failed += 1

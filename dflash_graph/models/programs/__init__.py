@@ -7,12 +7,14 @@ forward (batch 1, torch.no_grad, use_cache=False), derived by running transforme
     prog = load("qwen3", attn="sdpa", kernels="cpu_flash")
     run = evaluate(prog, {"hidden": 4096, ...}, seq=32768, layer_types=["decoder"] * 36)
     run.peak, run.events, run.piece_peak
+    params(prog, {"hidden": 4096, ...}, ["decoder"] * 36)   # {"embed", "layers", "norm", "lm_head"}: counts
 """
 
 from __future__ import annotations
 
 import json
 from fractions import Fraction
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,19 @@ class Event:
 
 @attrs.frozen
 class Run:
-    events: tuple[Event, ...]
     peak: int  # the live-bytes peak over the whole forward (embedding output and logits included)
     piece_peak: dict[str, int]  # the live-bytes peak reached inside each piece (max over instances)
     peak_event: int  # index in events of the allocation at the peak
+    # the events, expanded on first use (a qwen3_5 forward at seq 32k has 400k): a callable, and where it is kept
+    _replay: Callable[[], tuple[Event, ...]] = attrs.field(repr=False, eq=False)
+    _kept: list = attrs.field(factory=list, repr=False, eq=False)
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        """Every allocation and free of the forward, in order (expanded iteration by iteration when first read)."""
+        if not self._kept:
+            self._kept.append(self._replay())
+        return self._kept[0]
 
 
 def path_of(arch: str, attn: str, transformers_version: str, kernels: str = "cpu_flash", dtype: str = "bfloat16",
@@ -130,6 +141,14 @@ def _poly(poly: list[list], values: dict[str, int]) -> int:
     return int(total)
 
 
+def _loop_count(piece: dict[str, Any], values: dict[str, int]) -> int:
+    """How many times a piece's loop runs at these dims (0 without a loop). A loop may run fewer times than the
+    offsets of its tail's frees: the tail then frees the tensor the loop started from (`init`), as transformers
+    does for the delta rule's one chunk (seq <= 64; byte for byte against MemTracker, tests/test_target_memory.py)."""
+    loop = piece.get("loop")
+    return _poly(loop["count"], values) if loop else 0
+
+
 def _expand(piece: dict[str, Any], values: dict[str, int], limit: int | None = None) -> list[tuple[str, str, int, str]]:
     """A piece's own events: ("a", id, nbytes, label) / ("f", id, 0, ""); `limit`: write at most that many
     iterations of its loop (the tail then frees what the last of them left)."""
@@ -148,7 +167,7 @@ def _expand(piece: dict[str, Any], values: dict[str, int], limit: int | None = N
     for ev in piece["head"]:
         alloc(ev, ev["alloc"]) if "alloc" in ev else out.append(("f", ev["f"], 0, ""))
     loop = piece.get("loop")
-    n = _poly(loop["count"], values) if loop else 0
+    n = _loop_count(piece, values)
     if limit is not None:
         n = min(n, limit)
     for it in range(n):
@@ -174,6 +193,161 @@ def _expand(piece: dict[str, Any], values: dict[str, int], limit: int | None = N
         else:
             out.append(("f", ev["f"], 0, ""))
     return out
+
+
+# NOTE: [the fast walk] A piece's own events are the same in every instance of it (for given dims), and a loop's
+# iterations are the same once no free reaches back before the first one (after k iterations, k the largest
+# `iter` offset of the body's frees). So each piece is summarised once: its events as a few runs (the head and the
+# first k iterations, the n - k identical iterations as one repeated block, the tail), and each stretch between
+# the positions where other pieces' exports die as (length, net change, highest level above its start after an
+# allocation and where, highest after any event). A repeated block's highest point is in its first iteration
+# when the block's net change is <= 0, else in its last. The walk over the forward then costs a few steps per
+# piece instance, whatever the loop counts, and gives the peak, piece_peak and peak_event of the full replay.
+
+
+@attrs.frozen
+class _Stretch:
+    length: int  # own events in it
+    net: int  # live bytes at its end minus at its start
+    top: int | None  # highest live bytes above its start right after one of its allocations (None: no allocation)
+    top_at: int  # the first event (counted from the stretch's start) at that height
+    high: int | None  # highest above its start after any of its events (None: no event)
+
+
+def _scan(deltas: list[tuple[int, bool]]) -> _Stretch:
+    r = 0
+    top, top_at, high = None, 0, None
+    for k, (d, is_alloc) in enumerate(deltas):
+        r += d
+        if is_alloc and (top is None or r > top):
+            top, top_at = r, k
+        high = r if high is None or r > high else high
+    return _Stretch(len(deltas), r, top, top_at, high)
+
+
+def _runs(piece: dict[str, Any], values: dict[str, int]) -> tuple[list, dict[str, int]]:
+    """A piece's own events as runs: ("x", [(delta, is_alloc), ...]) or ("r", block, times); and the size of each
+    of its head and tail allocations (exports are among them)."""
+    size: dict[str, int] = {}
+
+    def nbytes(ev: dict[str, Any]) -> int:
+        n = ev["itemsize"]
+        for p in ev["shape"]:
+            n *= _poly(p, values)
+        size[ev["alloc"]] = n
+        return n
+
+    head = [(nbytes(ev), True) if "alloc" in ev else (-size[ev["f"]], False) for ev in piece["head"]]
+    runs: list = [("x", head)]
+    loop = piece.get("loop")
+    n = _loop_count(piece, values)
+    if n > 0:
+        body = loop["body"]
+        for ev in body:
+            if "alloc" in ev:
+                nbytes(ev)
+        k = max([-ev["iter"] for ev in body if "iter" in ev], default=0)
+
+        def iteration(it: int) -> list[tuple[int, bool]]:
+            out = []
+            for ev in body:
+                if "alloc" in ev:
+                    out.append((size[ev["alloc"]], True))
+                elif "iter" not in ev or it + ev["iter"] >= 0:
+                    out.append((-size[ev["f"]], False))
+                elif "init" in ev:
+                    out.append((-size[ev["init"]], False))
+            return out
+
+        for it in range(min(k, n)):
+            runs[-1][1].extend(iteration(it))
+        if n > k:
+            runs.append(("r", iteration(k), n - k))
+    init = {ev["f"]: ev["init"] for ev in (loop["body"] if loop else ()) if "init" in ev}
+
+    def freed(ev: dict[str, Any]) -> int:       # a loop-carried tensor from an iteration that never ran: its init
+        return size[init[ev["f"]]] if "iter" in ev and n + ev["iter"] < 0 else size[ev["f"]]
+
+    tail = [(nbytes(ev), True) if "alloc" in ev else (-freed(ev), False) for ev in piece["tail"]]
+    runs.append(("x", tail))
+    return runs, size
+
+
+def _stretches(runs: list, cuts: tuple[int, ...]) -> list[_Stretch]:
+    """The stretches of a piece's own events between the positions `cuts` (sorted, within 0..length)."""
+    spans, pos = [], 0
+    for run in runs:
+        length = len(run[1]) * (run[2] if run[0] == "r" else 1)
+        if run[0] == "r" and any(pos < c < pos + length for c in cuts):
+            run = ("x", run[1] * run[2])  # an export dies inside the repeated iterations: expand them
+        spans.append((pos, run))
+        pos += length
+    bounds = [0, *cuts, pos]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        r = idx = 0
+        top, top_at, high = None, 0, None
+        for start, run in spans:
+            if run[0] == "x":
+                lo, hi = max(a, start), min(b, start + len(run[1]))
+                if lo >= hi:
+                    continue
+                st = _scan(run[1][lo - start: hi - start])
+                parts = [(st, 1)]
+            else:
+                block, times = run[1], run[2]
+                if not (a <= start and start + len(block) * times <= b) or not times:
+                    continue
+                parts = [(_scan(block), times)]
+            for st, times in parts:
+                if st.top is not None:
+                    t = times - 1 if st.net > 0 else 0
+                    if top is None or r + t * st.net + st.top > top:
+                        top, top_at = r + t * st.net + st.top, idx + t * st.length + st.top_at
+                if st.high is not None:
+                    h = r + (times - 1) * max(st.net, 0) + st.high
+                    high = h if high is None or h > high else high
+                r += times * st.net
+                idx += times * st.length
+        out.append(_Stretch(idx, r, top, top_at, high))
+    return out
+
+
+def _walk(program: dict[str, Any], pieces: list[str], values: dict[str, int],
+          scheduled: dict[tuple[int, int], list[str]]) -> tuple[int, dict[str, int], int]:
+    """The peak, piece_peak and peak_event of the forward, piece by piece (NOTE: [the fast walk])."""
+    runs = {name: _runs(program["pieces"][name], values) for name in dict.fromkeys(pieces)}
+    cuts_of: dict[int, list[int]] = {}
+    for host, pos in scheduled:
+        cuts_of.setdefault(host, []).append(pos)
+    cache: dict[tuple[str, tuple[int, ...]], list[_Stretch]] = {}
+    live: dict[str, int] = {}
+    cur = peak = peak_at = n_events = 0
+    piece_peak: dict[str, int] = {}
+    for i, name in enumerate(pieces):
+        piece_runs, size = runs[name]
+        length = sum(len(r[1]) * (r[2] if r[0] == "r" else 1) for r in piece_runs)
+        cuts = tuple(sorted(c for c in set(cuts_of.get(i, ())) if c <= length))
+        inner = tuple(c for c in cuts if 0 < c < length)
+        if (name, inner) not in cache:
+            cache[name, inner] = _stretches(piece_runs, inner)
+        for ex in program["pieces"][name]["exports"]:
+            live[f"{i}:{ex['id']}"] = size[ex["id"]]
+        for at, st in zip((0, *inner), cache[name, inner]):
+            for ident in scheduled.get((i, at), ()):
+                cur -= live.pop(ident)
+                n_events += 1
+            if st.top is not None and cur + st.top > peak:
+                peak, peak_at = cur + st.top, n_events + st.top_at
+            if st.high is not None:
+                piece_peak[name] = max(piece_peak.get(name, 0), cur + st.high)
+            cur += st.net
+            n_events += st.length
+        if length > 0:  # (with no own events the frees at 0 were those at the end)
+            for ident in scheduled.get((i, length), ()):
+                cur -= live.pop(ident)
+                n_events += 1
+    return peak, piece_peak, peak_at
 
 
 def sequence(program: dict[str, Any], layer_types: list[str]) -> list[str]:
@@ -235,17 +409,18 @@ def piece_events(program: dict[str, Any], values: dict[str, int], name: str, *,
 
 
 def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_types: list[str], *,
-             upto: str = "end") -> Run:
-    """The forward's allocation events and live-bytes peak, for dims (the program's dim names) and seq tokens.
+             upto: str = "end", expand: bool = False) -> Run:
+    """The forward's live-bytes peak, each piece's peak and its allocation events, for dims (the program's dim
+    names) and seq tokens.
 
-    upto="epilogue" stops when the body returns (no lm_head: the embedding, the body and its output)."""
+    upto="epilogue" stops when the body returns (no lm_head: the embedding, the body and its output). The peaks
+    are computed piece by piece, a loop's iterations extrapolated once they repeat (`_walk`); the events are
+    expanded only when `run.events` is read. expand=True walks every event instead (the reference the fast walk
+    is tested against: the same peak, piece_peak and peak_event)."""
     values = bind(program, dims, seq)
     pieces = sequence(program, layer_types)
     if upto != "end" and upto not in pieces:
         raise ProgramError(f"upto must be a piece of the forward, one of {sorted(set(pieces))}")
-    # every instance of a piece has the same own events for these dims: expand each piece once
-    once = {name: _expand(program["pieces"][name], values) for name in dict.fromkeys(pieces)}
-    expanded = [once[name] for name in pieces]
     # cross-piece frees: each export of a piece dies in a later piece, at a position among that piece's own events
     scheduled: dict[tuple[int, int], list[str]] = {}
     for i, name in enumerate(pieces):
@@ -255,13 +430,30 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
                 continue
             host = i + d["offset"] if "offset" in d else pieces.index(d["piece"])
             scheduled.setdefault((host, d["at"]), []).append(f"{i}:{ex['id']}")
+    stop = pieces.index(upto) if upto != "end" else len(pieces) - 1
+    pieces = pieces[: stop + 1]
+
+    def replay() -> tuple[tuple[Event, ...], int, dict[str, int], int]:
+        # every instance of a piece has the same own events for these dims: expand each piece once
+        once = {name: _expand(program["pieces"][name], values) for name in dict.fromkeys(pieces)}
+        return _replay(pieces, once, scheduled)
+
+    if expand:
+        events, peak, piece_peak, peak_at = replay()
+        return Run(peak, piece_peak, peak_at, lambda: events)
+    peak, piece_peak, peak_at = _walk(program, pieces, values, scheduled)
+    return Run(peak, piece_peak, peak_at, lambda: replay()[0])
+
+
+def _replay(pieces: list[str], once: dict[str, list[tuple[str, str, int, str]]],
+            scheduled: dict[tuple[int, int], list[str]]) -> tuple[tuple[Event, ...], int, dict[str, int], int]:
+    """The forward event by event: (events, peak, piece_peak, index of the allocation at the peak)."""
     events: list[Event] = []
     live: dict[str, int] = {}
     cur = peak = peak_at = 0
     piece_peak: dict[str, int] = {}
-    stop = pieces.index(upto) if upto != "end" else len(pieces) - 1
-    for i, name in enumerate(pieces[: stop + 1]):
-        own = expanded[i]
+    for i, name in enumerate(pieces):
+        own = once[name]
         for pos in range(len(own) + 1):
             for ident in scheduled.get((i, pos), ()):
                 cur -= live.pop(ident)
@@ -280,8 +472,37 @@ def evaluate(program: dict[str, Any], dims: dict[str, int], seq: int, layer_type
                 cur -= live.pop(ident)
                 events.append(Event("free", ident, 0, "", name))
             piece_peak[name] = max(piece_peak.get(name, 0), cur)
-    return Run(tuple(events), peak, piece_peak, peak_at)
+    return tuple(events), peak, piece_peak, peak_at
+
+
+def params(program: dict[str, Any], dims: dict[str, int], layer_types: list[str]) -> dict[str, int]:
+    """The parameter count of each component of the causal LM for these dims and layers: {"embed", "layers" (the
+    sum over `layer_types`), "norm", "lm_head"}, from the program's "params" (each component's count as a
+    polynomial in the dims, derived from transformers' own model built on the meta device). No seq: a parameter's
+    size does not depend on it (nor on the packing)."""
+    stored = program.get("params")
+    if stored is None:
+        raise ProgramError(f"the stored {program['key']['arch']} program (packing {program['key']['packing']}) has "
+                           f"no parameter counts; derive them with `python tools/derive_programs.py --arch "
+                           f"{program['key']['arch']} --params-only`")
+    derived = program.get("derived", {})
+    need = set(program["dims"]) - {"seq"} - set(derived)
+    missing = sorted(need - set(dims))
+    if missing:
+        raise ProgramError(f"missing dims {missing} (the program's dims: {sorted(need)})")
+    values = dict(dims)
+    # the derived dims computable without seq (kv groups, linear value heads per key head; not the chunk count)
+    values.update(derived_values({k: v for k, v in derived.items()
+                                  if all(not isinstance(x, str) or x in values for x in v[1:])}, values))
+    per_type: dict[str, int] = {}
+    for t in dict.fromkeys(layer_types):
+        if f"layer:{t}" not in stored:
+            known = [n.removeprefix("layer:") for n in stored if n.startswith("layer:")]
+            raise ProgramError(f"layer type {t!r} has no derived parameter count (derived: {known})")
+        per_type[t] = _poly(stored[f"layer:{t}"], values)
+    return {"embed": _poly(stored["embed"], values), "layers": sum(per_type[t] for t in layer_types),
+            "norm": _poly(stored["norm"], values), "lm_head": _poly(stored["lm_head"], values)}
 
 
 __all__ = ["Event", "ProgramError", "Run", "available", "bind", "derived_values", "evaluate", "holds", "load",
-           "path_of", "piece_events", "poly_value", "sequence", "steady_iterations"]
+           "params", "path_of", "piece_events", "poly_value", "sequence", "steady_iterations"]

@@ -17,6 +17,7 @@ from dflash_graph.models import programs
 
 from .archs import ARCHS, CHUNK_SEQS, DELTA_RULE_CHUNK, ArchSpec
 from .fit import FitError, fit_program
+from .params import derive_params
 from .record import Alloc, Trace, trace_causal_lm
 
 
@@ -154,6 +155,20 @@ def derive(arch: str, packing: str = "documents", log=print, cache: Path | None 
         checks.append({"point": p, "layers": types, "peak": tr.peak, "allocations": allocations})
     prog["held_out"] = checks
     log(f"{arch}/{packing}: exact at {len(checks)} held-out points")
+    prog["params"] = derive_params(spec, pts, checks)
+    log(f"{arch}/{packing}: parameter counts exact at the {len(checks)} held-out points")
+    return prog
+
+
+def with_params(arch: str, packing: str = "documents", log=print) -> dict[str, Any]:
+    """The stored program with its "params" (re)derived and nothing else changed: the parameter counts need no
+    trace, only the model built on the meta device at the program's design points, checked at its held-out
+    points."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    spec = ARCHS[arch]
+    prog = programs.load(arch, packing=packing, transformers_version=transformers.__version__)
+    prog["params"] = derive_params(spec, design(spec, packing), prog["held_out"])
+    log(f"{arch}/{packing}: parameter counts exact at the {len(prog['held_out'])} held-out points")
     return prog
 
 

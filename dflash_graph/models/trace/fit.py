@@ -340,3 +340,26 @@ def _body_free(every_iteration, k: int, delta: int, inits) -> dict[str, Any]:
                     ref["init"] = next(iter(inits))[1]
                 return ref
     raise FitError(f"body event {k}: no iteration frees a body allocation")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# polynomial arithmetic on the stored form (a parameter count is a sum of products of fitted shape entries)
+
+
+def poly_mul(a: Poly, b: Poly) -> Poly:
+    """The product of two stored polynomials, like terms combined (poly_canon's order)."""
+    return poly_canon([[x[0] * y[0], x[1] * y[1], *x[2:], *y[2:]] for x in a for y in b])
+
+
+def poly_add(*polys: Poly) -> Poly:
+    return poly_canon([t for p in polys for t in p])
+
+
+def poly_canon(terms: Poly) -> Poly:
+    """Like terms combined, zero terms dropped, each monomial's dims sorted, lowest degree first."""
+    acc: dict[tuple[str, ...], Fraction] = {}
+    for num, den, *dims in terms:
+        m = tuple(sorted(dims))
+        acc[m] = acc.get(m, Fraction(0)) + Fraction(num, den)
+    return [[c.numerator, c.denominator, *m] for m, c in sorted(acc.items(), key=lambda mc: (len(mc[0]), mc[0]))
+            if c != 0]
