@@ -19,8 +19,10 @@ def test_one_oom_block_per_distinct_failure(in_repo, capsys):
     assert blocks == ["OOM on gpu0..gpu6 (7 devices) at node 'target':", "OOM on gpu7 at node 'drafter':"]
     assert not re.search(r"#\d+", out), "an internal replay key leaked into the message"
     # packed with a mask (graphs/qwen27b.toml declares how its authors ran the forward): the [seq, seq] mask is the
-    # first temporary that does not fit, named by its name and shape
-    assert "a 18.25 GiB temporary (causal_mask [140,000, 140,000]) of the prologue inside 'target'" in out
+    # first temporary that does not fit, named by the op that makes it (transformers' mask code ands two masks),
+    # its shape and dtype
+    assert ("a 18.25 GiB temporary (aten.bitwise_and.Tensor [1, 1, 140,000, 140,000] bool in model) of the "
+            "prologue inside 'target'") in out
 
 
 def test_oom_names_the_output_by_shape(in_repo, capsys):

@@ -149,6 +149,14 @@ def _loop_count(piece: dict[str, Any], values: dict[str, int]) -> int:
     return _poly(loop["count"], values) if loop else 0
 
 
+def label_of(ev: dict[str, Any], shape: list[int]) -> str:
+    """What an allocation is, in the words a memory report shows: its op, its shape at these dims, its dtype and
+    the module that made it ("aten.mm [65,536, 6,144] bfloat16 in self_attn.q_proj")."""
+    op = ev["op"].removesuffix(".default")
+    where = f" in {ev['module']}" if ev["module"] else ""
+    return f"{op} [{', '.join(f'{x:,}' for x in shape)}] {ev['dtype']}{where}"
+
+
 def _expand(piece: dict[str, Any], values: dict[str, int], limit: int | None = None) -> list[tuple[str, str, int, str]]:
     """A piece's own events: ("a", id, nbytes, label) / ("f", id, 0, ""); `limit`: write at most that many
     iterations of its loop (the tail then frees what the last of them left)."""
@@ -157,10 +165,11 @@ def _expand(piece: dict[str, Any], values: dict[str, int], limit: int | None = N
 
     def alloc(ev: dict[str, Any], ident: str) -> None:
         if id(ev) not in sized:
+            shape = [_poly(p, values) for p in ev["shape"]]
             n = ev["itemsize"]
-            for p in ev["shape"]:
-                n *= _poly(p, values)
-            sized[id(ev)] = n, f"{ev['module'] or '-'} {ev['op']} {ev['shape_text']} {ev['dtype']}"
+            for x in shape:
+                n *= x
+            sized[id(ev)] = n, label_of(ev, shape)
         n, label = sized[id(ev)]
         out.append(("a", ident, n, label))
 
