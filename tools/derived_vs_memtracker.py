@@ -64,8 +64,11 @@ inputs = {{ x = "fwd.{port}" }}
 
 def check_peak(arch: str, point: dict[str, int], packing: str, layers: list[str], body: bool) -> int:
     """The forward node's peak as `check` models it, from a graph file with this config (a config.json beside it,
-    as a user's target would have), without rewrites: the node's allocation program replayed (program_peak)."""
-    from dflash_graph.analysis.nodecost import node_cost
+    as a user's target would have), without rewrites: the node's allocation program replayed (program_peak), for
+    the one output transformers' forward returns (the logits; the body's hidden state). A causal-LM node that
+    also hands on its `hidden` keeps the last layer's output alive past the body, as run's hook does."""
+    from dflash_graph.analysis.nodecost import cost_context
+    from dflash_graph.ops import registry
     from dflash_graph.ops.costs import program_peak
     from dflash_graph.rewrite.pipeline import compile_graph
 
@@ -81,8 +84,11 @@ def check_peak(arch: str, point: dict[str, int], packing: str, layers: list[str]
         path = Path(tmp) / "graph.toml"
         path.write_text(GRAPH.format(seq=point["seq"], arch=arch, packing=packing, op=op, port=port))
         plan = compile_graph(str(path), rewrite=False)
-    node = next(n for n in plan.typed.graph.nodes if n.id == "fwd")
-    return program_peak(node_cost(plan.typed, node, grad=False).program)
+    typed = plan.typed
+    node = next(n for n in typed.graph.nodes if n.id == "fwd")
+    outs = {k: v for k, v in typed.outputs_of(node.id).items() if k == port}
+    cost = registry.get(node.op).cost(cost_context(typed, node, False, typed.inputs_of(node.id), outs))
+    return program_peak(cost.program)
 
 
 def rows(wide: bool, seq: int, layers: int):
