@@ -95,7 +95,8 @@ MEMORY = Section("memory", "How memory is predicted.", (
 
 MODEL = Section("models.<name>", "A model whose weights nodes use.", (
     Key("arch", "str", "Architecture (see \"Model configs by arch\" below). Absent: the target arch whose configs "
-        "carry the config's `model_type` (`qwen3_5`, `qwen3_5_text` -> `qwen3_5`); a drafter declares `dflash`. A "
+        "carry the config's `model_type` (`qwen3`, `llama`, `qwen3_moe`; `qwen3_5`, `qwen3_5_text` -> `qwen3_5`); a drafter "
+        "declares `dflash`. A "
         "declared arch must match the config's `model_type`, and a config.json file must name one "
         "(docs/guide.md, \"Supported targets\")."),
     Key("config", "str|table", "The model config: a path to a config.json (relative to this file) or an inline "
@@ -104,17 +105,18 @@ MODEL = Section("models.<name>", "A model whose weights nodes use.", (
     Key("dtype", "str", "Parameter and activation dtype.", default="bfloat16",
         choices=("float32", "bfloat16", "float16", "float64")),
     Key("trainable", "bool", "Train this model (gradients and AdamW state are counted) or keep it frozen. Only a "
-        "dflash drafter trains; `trainable = true` on a qwen3_5 model is refused.", default=False),
-    Key("weights", "str", "qwen3_5: local path to weights (a directory for from_pretrained or a .safetensors file), "
+        "dflash drafter trains; `trainable = true` on a target is refused.", default=False),
+    Key("weights", "str", "A target: local path to weights (a directory for from_pretrained or a .safetensors file), "
         "relative to this file. Absent: random initialisation. A dflash drafter cannot load weights yet: the key is "
         "refused there (it starts from random initialisation; `run --resume` continues a run).", path="run"),
     Key("shares", "table", "Components taken from another model: `{ embed = \"target.embed\", norm = "
         "\"target.norm\", lm_head = \"target.lm_head\" }`. Shared tensors are frozen and counted once per device."),
-    Key("attn_implementation", "str", "qwen3_5: transformers' attention implementation for this model's forward "
-        "(absent: sdpa, transformers' default).", choices=("sdpa", "flash_attention_2", "eager")),
-    Key("packing", "str", "qwen3_5: how a packed sequence reaches the forward: `documents` (one forward per "
+    Key("attn_implementation", "str", "A target: transformers' attention implementation for this model's forward "
+        "(absent: sdpa, transformers' default). qwen3, llama and qwen3_moe: sdpa (their memory programs are "
+        "derived for it); qwen3_5: any of these.", choices=("sdpa", "flash_attention_2", "eager")),
+    Key("packing", "str", "A target: how a packed sequence reaches the forward: `documents` (one forward per "
         "document, what `run` does; absent = this), `mask` (one forward over the packed row: sdpa and eager build a "
-        "dense [seq, seq] mask), `cu_seqlens` (one forward, flash_attention_2's varlen path).",
+        "dense [seq, seq] mask), `cu_seqlens` (one forward, flash_attention_2's varlen path; qwen3_5 only).",
         choices=("documents", "mask", "cu_seqlens")),
     Key("linear_kernels", "str", "qwen3_5: the Gated DeltaNet kernels: `torch` (transformers' reference code) or "
         "`fla` (flash-linear-attention + causal-conv1d). Absent: what is installed where `check` runs.",
