@@ -17,6 +17,7 @@ from ..errors import GraphError, Location, Problem, did_you_mean, short
 from ..ir.dims import MAX_DIM, DimEnv, DimError, IntPoly
 from ..ir.graph import CycleError, Graph, Node, Ref
 from ..ir.types import Dim, TensorType
+from ..models.decoder import NeedsTrace
 from ..models.registry import ARCHS, foreign_keys
 from ..ops import registry
 from ..ops.contract import BindContext, ContractError, OpDef, build as build_dims, dim_of, match
@@ -216,6 +217,13 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
         try:
             dims = ARCHS[m.arch].dims(cfg)
         except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+            if isinstance(e, NeedsTrace):   # the command to derive a program names the config's file (not one
+                # whose key --set changed: the file does not hold that value)
+                e.config = None if spec.lines.flag_of(("models", name, "config", e.key)) else m.config_file
+                problems.append(Problem(f"invalid {m.arch} config for model '{name}': {e}",
+                                        spec.loc("models", name, "config"),
+                                        hint="docs/memory-programs.md, \"Programs for one config: trace-model\""))
+                continue
             problems.append(Problem(f"invalid {m.arch} config for model '{name}': {short(str(e), 300)[1:-1]}",
                                     spec.loc("models", name, "config"),
                                     hint=f"see docs/toml-reference.md for arch '{m.arch}'"))
@@ -224,6 +232,8 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             try:
                 dims = dims.with_forward(*(m.forward.get(k) for k in ("attn_implementation", "packing", "linear_kernels")))
             except ValueError as e:
+                if isinstance(e, NeedsTrace):
+                    e.config = None if spec.lines.flag_of(("models", name, "config", e.key)) else m.config_file
                 key = "packing" if "packing" in m.forward else "attn_implementation"
                 problems.append(Problem(f"model '{name}': {e}", spec.loc("models", name, key),
                                         hint="see docs/memory-qwen3_5.md, \"The declared forward\""))

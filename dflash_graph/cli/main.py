@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from ..errors import GraphError
@@ -17,6 +18,7 @@ EXAMPLES = """examples:
   dflash-graph eval graphs/tiny.toml --checkpoint runs/tiny   # speculative decoding: measured acceptance length
   dflash-graph export runs/tiny --out runs/tiny/hf       # the drafter in the DFlash format SGLang loads
   dflash-graph prove                                     # prove every rewrite rule for all sizes (z3)
+  dflash-graph trace-model graphs/qwen3_8b/config.json   # a memory program for a config check refuses (torch)
 """
 
 
@@ -135,7 +137,32 @@ def parser() -> argparse.ArgumentParser:
                                     "1: a theorem failed (its counterexample is printed).")
     pv.add_argument("-v", "--verbose", action="store_true", help="print each theorem's statement and axioms")
     pv.add_argument("-k", dest="only", default=None, help="only theorems whose name contains this")
-    ap.subcommands = {"check": c, "explain": e, "draw": d, "plan": pl, "run": r, "eval": ev, "export": x,
+    tm = sub.add_parser(
+        "trace-model", help="derive the memory program of one target config (needs torch; tens of seconds)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill("Derive the memory program of a target whose config sets a value no stored program holds for "
+                    "(check refuses it and names this command), e.g. attention_bias = true on Qwen3 or Llama, "
+                    "mlp_bias = true on Llama, norm_topk_prob = false on Qwen3-MoE. transformers' own causal LM "
+                    "(the arch from the config's model_type) is traced under fake tensors at a few small sizes with "
+                    "the config's values of those keys, each allocation fitted in the dims, and the fit checked byte "
+                    "for byte at held-out sizes; the program is written where check reads it, its file name ending "
+                    "in a hash of those values. Exit 0: the program(s) written (their paths on stdout; progress on "
+                    "stderr); 1: transformers' code for these values could not be fitted; 2: not a config of a "
+                    "supported target, or one transformers refuses.", 100),
+        epilog=textwrap.fill("where programs go: $DFLASH_GRAPH_PROGRAMS, else $XDG_CACHE_HOME/dflash-graph/programs, "
+                             "else ~/.cache/dflash-graph/programs (check looks there besides the packaged programs)",
+                             100) + "\n\n"
+               "examples:\n"
+               "  dflash-graph trace-model graphs/my_qwen3/config.json                 # both packings\n"
+               "  dflash-graph trace-model ~/models/Llama-3.1-8B-bias --packing mask     # a checkpoint directory\n"
+               "  DFLASH_GRAPH_PROGRAMS=progs dflash-graph trace-model config.json     # a project's own directory")
+    tm.add_argument("config", metavar="CONFIG", help="a target's config.json, or a directory that holds one")
+    tm.add_argument("--packing", action="append", choices=("documents", "mask"), default=None,
+                    help="the packing to derive for, as the graph's models.<name>.packing (repeatable; default both)")
+    tm.add_argument("--out", metavar="DIR", default=None,
+                    help="write into DIR instead of the user program directory (check reads DIR only when "
+                         "DFLASH_GRAPH_PROGRAMS=DIR)")
+    ap.subcommands = {"trace-model": tm, "check": c, "explain": e, "draw": d, "plan": pl, "run": r, "eval": ev, "export": x,
                       "prove": pv}
     return ap
 
@@ -233,6 +260,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if args.cmd in ("eval", "export"):
             from . import evaluate
             return evaluate.cmd_eval(args) if args.cmd == "eval" else evaluate.cmd_export(args)
+        if args.cmd == "trace-model":
+            from .trace_model import cmd_trace_model
+            return cmd_trace_model(args)
         if args.cmd == "prove":
             from ..rewrite.proofs import run_cli
             return run_cli(verbose=args.verbose, only=args.only)

@@ -10,7 +10,9 @@ this module reads that program's dim names, the config keys they come from, and 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -41,9 +43,31 @@ PARAMS_ONLY = frozenset({"tie_word_embeddings"})
 
 
 @functools.lru_cache(maxsize=None)
-def program(arch: str, packing: str = "documents") -> dict[str, Any]:
-    """The stored program of an arch for a packing (models/programs/), read once."""
-    return programs.load(arch, packing=packing)
+def program(arch: str, packing: str = "documents", fixed: tuple[tuple[str, str], ...] = ()) -> dict[str, Any]:
+    """The stored program of an arch for a packing (models/programs/), read once. `fixed`: the config's values of
+    the keys the program holds for (DecoderDims.fixed, each JSON-encoded) where they are not the packaged
+    program's, () where they are; a program derived for them is looked up (`dflash-graph trace-model`)."""
+    return programs.load(arch, packing=packing, fixed={k: json.loads(v) for k, v in fixed} if fixed else None)
+
+
+class NeedsTrace(ValueError):
+    """No stored program holds for a config's fixed values: one must be derived for that config, with torch
+    (`dflash-graph trace-model`). A ValueError: check reports it at the config's TOML path. `config`: the
+    config's file, where the caller knows it (check sets it), written into the command."""
+
+    def __init__(self, arch: str, key: str, value: Any, want: Any, packing: str | None = None):
+        super().__init__(arch, key, value, want, packing)
+        self.arch, self.key, self.value, self.want, self.packing = arch, key, value, want, packing
+        self.config: str | None = None
+
+    def __str__(self) -> str:
+        where = self.config or "CONFIG"
+        pack = f" --packing {self.packing}" if self.packing else ""
+        inline = "" if self.config else " (CONFIG: this model's config written as a config.json)"
+        return (f"config key {self.key!r} = {json.dumps(self.value, default=str)}: the packaged {self.arch} memory "
+                f"program holds for {self.key} = {json.dumps(self.want)} (transformers runs other code otherwise) "
+                f"and none derived for this config is stored{f' (packing {self.packing})' if self.packing else ''}; "
+                f"derive one (torch, about a minute): dflash-graph trace-model {where}{pack}{inline}")
 
 
 def config_keys(arch: str) -> frozenset[str]:
@@ -80,6 +104,9 @@ class DecoderDims:
     tie_word_embeddings: bool = False
     attn_implementation: str = "sdpa"
     packing: str = "documents"
+    # the config's values of the keys the program holds for, JSON-encoded, where they are not the packaged
+    # program's (() where they are): which stored program every cost of these dims reads (`program`)
+    fixed: tuple[tuple[str, str], ...] = ()
 
     per_arch = True     # models/registry.py: from_config is told the arch
 
@@ -109,12 +136,24 @@ class DecoderDims:
 
         values = {dim: _positive_int(key, get(key)) for dim, key in p["dims"].items() if dim != "seq"}
         n_layers = _positive_int("num_hidden_layers", get("num_hidden_layers"))
-        for key, want in p["fixed"].items():
-            if key in PARAMS_ONLY or key not in cfg or _same(cfg[key], want):
-                continue
-            raise ValueError(f"config key {key!r} = {cfg[key]!r}: the stored {arch} memory program is derived for "
-                             f"{key} = {want!r} (transformers runs other code otherwise); derive a program for "
-                             f"this config: python tools/derive_programs.py --arch {arch}")
+        # the keys the program holds for, at the config's values (tied embeddings change only which weights
+        # exist: PARAMS_ONLY); where one differs from the packaged program's, a program derived for these values
+        # (dflash-graph trace-model) is read instead, and it is the one every cost of these dims reads
+        held = {key: (cfg[key] if key in cfg else want) for key, want in p["fixed"].items() if key not in PARAMS_ONLY}
+        fixed: tuple[tuple[str, str], ...] = ()
+        found = "documents"
+        changed = [key for key, want in p["fixed"].items() if key in held and not _same(held[key], want)]
+        if changed:
+            fixed = tuple(sorted((k, json.dumps(v, sort_keys=True, default=str)) for k, v in held.items()))
+            for found in PACKINGS:       # any packing's program has the parameter counts and layer types
+                try:
+                    p = program(arch, found, fixed)
+                    break
+                except programs.ProgramError:
+                    continue
+            else:
+                key = changed[0]
+                raise NeedsTrace(arch, key, cfg[key], p["fixed"][key])
         tie = cfg.get("tie_word_embeddings", p["fixed"].get("tie_word_embeddings", False))
         if not isinstance(tie, bool):
             raise ValueError(f"config key 'tie_word_embeddings' must be a bool, got {tie!r}")
@@ -144,7 +183,7 @@ class DecoderDims:
                              f"({values['kv_heads']} does not divide {values['heads']})")
         d = cls(arch=arch, values=tuple(sorted(values.items())), num_hidden_layers=n_layers,
                 hidden_size=values["hidden"], vocab_size=values["vocab"], layer_types=layer_types,
-                tie_word_embeddings=tie)
+                tie_word_embeddings=tie, fixed=fixed, packing=found)
         d._holds(p)
         return d
 
@@ -163,7 +202,15 @@ class DecoderDims:
         if pack not in PACKINGS:
             raise ValueError(f"packing must be one of {list(PACKINGS)} for {self.arch}, got {pack!r}")
         d = attrs.evolve(self, attn_implementation=attn, packing=pack)
-        d._holds(program(self.arch, pack))
+        try:
+            p = program(self.arch, pack, self.fixed)
+        except programs.ProgramError:
+            if not self.fixed:
+                raise
+            base = program(self.arch, pack)["fixed"]
+            key, value = next((k, json.loads(v)) for k, v in self.fixed if not _same(json.loads(v), base[k]))
+            raise NeedsTrace(self.arch, key, value, base[key], pack) from None
+        d._holds(p)
         return d
 
     def _holds(self, p: dict[str, Any]) -> None:
@@ -184,7 +231,7 @@ class DecoderDims:
     # -- what the cost code reads (ops/costs.py) -----------------------------------------------------------------
     @property
     def program(self) -> dict[str, Any]:
-        return program(self.arch, self.packing)
+        return program(self.arch, self.packing, self.fixed)
 
     def body_events(self, seq: int, dtype_bytes: int) -> BodyEvents:
         return body_events(self, seq, dtype_bytes)
@@ -216,17 +263,17 @@ def _check_dtype(d: DecoderDims, dtype_bytes: int) -> None:
 
 def body_events(d: DecoderDims, seq: int, dtype_bytes: int) -> BodyEvents:
     _check_dtype(d, dtype_bytes)
-    return program_body_events(d.arch, d.packing, d.values, d.layer_types, seq)
+    return program_body_events(d.arch, d.packing, d.values, d.layer_types, seq, d.fixed)
 
 
 @functools.lru_cache(maxsize=64)
 def program_body_events(arch: str, packing: str, dims: tuple[tuple[str, int], ...], layer_types: tuple[str, ...],
-                        seq: int) -> BodyEvents:
+                        seq: int, fixed: tuple[tuple[str, str], ...] = ()) -> BodyEvents:
     """The body forward's events (models/body.py) from the arch's derived program: the prologue, each layer type's
     layer, the final norm, and what dies when the body returns (the embedding output, positions, the mask, cos
     and sin, the last layer's output), as transformers' own forward frees them. A steady loop (the delta rule's
     scan over chunks) is written for as many iterations as stand for all (programs.steady_iterations)."""
-    p = program(arch, packing)
+    p = program(arch, packing, fixed)
     values = programs.bind(p, dict(dims), seq)
     labels: dict[str, str] = {}
 
@@ -311,7 +358,7 @@ def body_flops(d: DecoderDims, seq: int) -> int:
 def component_params(d: DecoderDims) -> dict[str, int]:
     """Parameters per component, from the program's derived parameter counts (tied embeddings: lm_head is the
     embedding's weight, counted once)."""
-    p = program(d.arch)
+    p = d.program
     if "params" not in p:
         raise programs.ProgramError(f"the stored {d.arch} program has no parameter counts: rederive it "
                                     f"(python tools/derive_programs.py --arch {d.arch})")
@@ -332,13 +379,12 @@ def forward_assumptions(d: DecoderDims, declared: Mapping[str, Any] | None = Non
                                 "default: transformers"},
         "packing": {"value": d.packing, "means": pack,
                     "source": "declared" if declared.get("packing") else "default: as dflash-graph run does"},
-        "program": {"value": programs.path_of(**{"arch": p["key"]["arch"], "attn": p["key"]["attn"],
-                                                 "transformers_version": p["key"]["transformers"],
-                                                 "kernels": p["key"]["kernels"], "dtype": p["key"]["dtype"],
-                                                 "packing": p["key"]["packing"]}).name,
+        "program": {"value": Path(p["path"]).name,
                     "means": f"memory program derived from transformers {p['key']['transformers']} "
                              f"{p['model_class']}" + (f" (experts {p['experts_implementation']})"
                                                       if p.get("experts_implementation") else ""),
-                    "source": "tools/derive_programs.py"},
+                    "source": "dflash-graph trace-model (a user program, derived for this config's "
+                              f"{', '.join(f'{k} = {v}' for k, v in d.fixed)})" if d.fixed else
+                              "tools/derive_programs.py"},
         "not_measured": [f"CPU trace of sdpa ({p['key']['kernels']}; CUDA's kernels assumed to allocate alike)"],
     }

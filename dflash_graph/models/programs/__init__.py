@@ -12,7 +12,9 @@ forward (batch 1, torch.no_grad, use_cache=False), derived by running transforme
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from fractions import Fraction
 from collections.abc import Callable
 from pathlib import Path
@@ -53,29 +55,97 @@ class Run:
         return self._kept[0]
 
 
+#: where `dflash-graph trace-model` writes the programs it derives for a config, and `load` looks besides this
+#: folder: $DFLASH_GRAPH_PROGRAMS, else $XDG_CACHE_HOME/dflash-graph/programs, else ~/.cache/dflash-graph/programs
+USER_DIR_ENV = "DFLASH_GRAPH_PROGRAMS"
+
+
+def user_dir() -> Path:
+    """The user program directory (it may not exist yet)."""
+    if os.environ.get(USER_DIR_ENV):
+        return Path(os.environ[USER_DIR_ENV]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "dflash-graph" / "programs"
+
+
+def fixed_tag(fixed: dict[str, Any]) -> str:
+    """A short hash of a program's fixed values: user programs whose fixed values differ get different names."""
+    text = json.dumps(fixed, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
 def path_of(arch: str, attn: str, transformers_version: str, kernels: str = "cpu_flash", dtype: str = "bfloat16",
-            packing: str = "documents") -> Path:
-    return HERE / f"{arch}-{attn}-{kernels}-{dtype}-{packing}-tf{transformers_version}.json"
+            packing: str = "documents", fixed: dict[str, Any] | None = None) -> Path:
+    """A program's file: packaged (this folder) without `fixed`; with it, in the user directory, its name ending
+    in the hash of the fixed values (`fixed_tag`)."""
+    name = f"{arch}-{attn}-{kernels}-{dtype}-{packing}-tf{transformers_version}"
+    if fixed is None:
+        return HERE / f"{name}.json"
+    return user_dir() / f"{name}-fixed{fixed_tag(fixed)}.json"
+
+
+def _stored() -> list[tuple[dict[str, Any], dict[str, Any], Path]]:
+    """(key, fixed values, file) of every program: the packaged ones first, then the user directory's."""
+    out = []
+    user = user_dir()
+    for folder in (HERE, user):
+        for p in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+            try:
+                prog = json.loads(p.read_text())
+                out.append((prog["key"], prog.get("fixed", {}), p))
+            except (OSError, ValueError, KeyError, TypeError):
+                if folder == HERE:
+                    raise
+                # a user directory's stray or broken file is not a program: skipped, never fatal to check
+                continue
+    return out
 
 
 def available() -> list[dict[str, Any]]:
-    """The key of every stored program."""
-    return [json.loads(p.read_text())["key"] for p in sorted(HERE.glob("*.json"))]
+    """The key of every stored program, packaged and the user directory's (`user_dir`), each with its "fixed"
+    values and "user": whether it is a user program (derived by `dflash-graph trace-model`)."""
+    return [dict(key, fixed=fixed, user=path.parent != HERE) for key, fixed, path in _stored()]
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """A config value equals a program's fixed value (None and [] both mean "no layers" for a list key)."""
+    if isinstance(b, list) and a is None:
+        return b == []
+    if isinstance(a, list) and b is None:
+        return a == []
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
 
 
 def load(arch: str, *, attn: str = "sdpa", kernels: str = "cpu_flash", dtype: str = "bfloat16",
-         packing: str = "documents", transformers_version: str | None = None) -> dict[str, Any]:
+         packing: str = "documents", transformers_version: str | None = None,
+         fixed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The program of an arch for a forward. `fixed`: the config's values of the keys a program holds for (only
+    those given are compared); a program whose recorded "fixed" has them is chosen, a packaged one first, then
+    one in the user directory. None: the packaged program (the arch's default values)."""
     want = {"arch": arch, "attn": attn, "kernels": kernels, "dtype": dtype, "packing": packing}
-    found = [k for k in available() if all(k[x] == y for x, y in want.items())
-             and (transformers_version is None or k["transformers"] == transformers_version)]
+    stored = _stored()
+    found = [(k, f, p) for k, f, p in stored if all(k[x] == y for x, y in want.items())
+             and (transformers_version is None or k["transformers"] == transformers_version)
+             and (p.parent == HERE if fixed is None else
+                  all(x in f and same_value(v, f[x]) for x, v in fixed.items()))]
     if not found:
         have = ", ".join(f"{k['arch']}/{k['attn']}/{k['kernels']}/{k['dtype']}/{k['packing']}/tf{k['transformers']}"
-                         for k in available())
-        raise ProgramError(f"no derived memory program for {want}; stored: {have}; derive one with "
-                           f"`python tools/derive_programs.py --arch {arch}`")
-    key = max(found, key=lambda k: [int(x) for x in k["transformers"].split(".") if x.isdigit()])
-    return json.loads(path_of(key["arch"], key["attn"], key["transformers"], key["kernels"], key["dtype"],
-                              key["packing"]).read_text())
+                         + (f" ({', '.join(f'{x} = {json.dumps(v)}' for x, v in f.items())})" if p.parent != HERE
+                            else "") for k, f, p in stored)
+        held = "" if fixed is None else f" holding for {', '.join(f'{x} = {json.dumps(v)}' for x, v in fixed.items())}"
+        raise ProgramError(f"no derived memory program for {want}{held}; stored: {have}; derive one with "
+                           f"`dflash-graph trace-model CONFIG` (a config.json of the model)")
+
+    def rank(item):
+        k, _, p = item
+        return (p.parent == HERE, [int(x) for x in k["transformers"].split(".") if x.isdigit()])
+
+    key, _, path = max(found, key=rank)
+    prog = json.loads(path.read_text())
+    prog["path"] = str(path)     # where it was read (check's report names it); not part of the stored file
+    return prog
 
 
 _COMPARE = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a, b: a <= b,
@@ -514,4 +584,4 @@ def params(program: dict[str, Any], dims: dict[str, int], layer_types: list[str]
 
 
 __all__ = ["Event", "ProgramError", "Run", "available", "bind", "derived_values", "evaluate", "holds", "load",
-           "params", "path_of", "piece_events", "poly_value", "sequence", "steady_iterations"]
+           "params", "path_of", "same_value", "user_dir", "fixed_tag", "piece_events", "poly_value", "sequence", "steady_iterations"]

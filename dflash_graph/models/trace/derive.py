@@ -109,14 +109,22 @@ def program_dims(spec: ArchSpec, point: dict[str, int]) -> dict[str, int]:
     return spec.with_derived(point)
 
 
-def derive(arch: str, packing: str = "documents", log=print, cache: Path | None = None) -> dict[str, Any]:
+def derive(arch: str, packing: str = "documents", log=print, cache: Path | None = None,
+           spec: ArchSpec | None = None, step=None) -> dict[str, Any]:
+    """The program of `arch` under `packing`, checked at held-out points. `spec`: the arch entry to derive with
+    (default ARCHS[arch]; `dflash-graph trace-model` passes one whose `fixed` values are a config's); `step`:
+    called as step(what, i, n, point) before the i-th of n traces, `what` "design" or "held-out" (progress)."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    spec = ARCHS[arch]
+    spec = spec or ARCHS[arch]
     chunked = "chunks" in spec.derived
     names = spec.names()
     pts = design(spec, packing)
     t0 = time.time()
-    traces = [(program_dims(spec, p), trace_at(spec, p, packing, cache)) for p in pts]
+    traces = []
+    for i, p in enumerate(pts):
+        if step is not None:
+            step("design", i, len(pts), p)
+        traces.append((program_dims(spec, p), trace_at(spec, p, packing, cache)))
     log(f"{arch}/{packing}: {len(traces)} traces in {time.time() - t0:.0f} s")
     fitted = fit_program(arch, traces, names)
     layer_types = list(dict.fromkeys(n.removeprefix("layer:") for n in fitted["order"] if n.startswith("layer:")))
@@ -143,6 +151,8 @@ def derive(arch: str, packing: str = "documents", log=print, cache: Path | None 
     composed = list(reversed(spec.layers)) + list(spec.layers) if spec.layers else ["decoder"] * 3
     points = held_out(spec, packing)
     for i, p in enumerate(points):
+        if step is not None:
+            step("held-out", i, len(points), p)
         layers = composed if i == len(points) - 1 else None
         tr = trace_at(spec, p, packing, cache, layers=layers)
         types = [pc.name.removeprefix("layer:") for pc in tr.pieces if pc.name.startswith("layer:")]
@@ -187,8 +197,15 @@ def disagreement(run: programs.Run, tr: Trace) -> str | None:
             f"allocations" + (f"; {shown}" if shown else ""))
 
 
-def write(prog: dict[str, Any]) -> Path:
+def write(prog: dict[str, Any], user: bool = False, out: Path | None = None) -> Path:
+    """Write a program: into the package (tools/derive_programs.py), or with `user` into the user program
+    directory (programs.user_dir(), or `out`), its name holding the hash of its fixed values."""
     k = prog["key"]
-    path = programs.path_of(k["arch"], k["attn"], k["transformers"], k["kernels"], k["dtype"], k["packing"])
-    path.write_text(json.dumps(prog, indent=None, separators=(",", ":")) + "\n")
+    path = programs.path_of(k["arch"], k["attn"], k["transformers"], k["kernels"], k["dtype"], k["packing"],
+                            fixed=prog["fixed"] if user else None)
+    if out is not None:
+        path = out / path.name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stored = {key: v for key, v in prog.items() if key != "path"}   # "path": where `load` read it, not data
+    path.write_text(json.dumps(stored, indent=None, separators=(",", ":")) + "\n")
     return path
