@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,12 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The user program directory (`dflash-graph trace-model` writes there, check reads it): an empty one for the suite,
+# so programs a user derived never change what the tests see (tests that derive one point it at their tmp_path).
+_PROGRAMS = tempfile.mkdtemp(prefix="dflash-graph-programs-")
+atexit.register(shutil.rmtree, _PROGRAMS, True)
+os.environ["DFLASH_GRAPH_PROGRAMS"] = _PROGRAMS
 
 settings.register_profile("default", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -62,11 +62,14 @@ inputs = {{ x = "fwd.{port}" }}
 """
 
 
-def check_peak(arch: str, point: dict[str, int], packing: str, layers: list[str], body: bool) -> int:
+def check_peak(arch: str, point: dict[str, int], packing: str, layers: list[str], body: bool,
+               fixed: dict | None = None) -> int:
     """The forward node's peak as `check` models it, from a graph file with this config (a config.json beside it,
     as a user's target would have), without rewrites: the node's allocation program replayed (program_peak), for
     the one output transformers' forward returns (the logits; the body's hidden state). A causal-LM node that
-    also hands on its `hidden` keeps the last layer's output alive past the body, as run's hook does."""
+    also hands on its `hidden` keeps the last layer's output alive past the body, as run's hook does. `fixed`:
+    the config's values of the keys a program holds for (default the arch entry's: the packaged program's); other
+    values make check read a program `dflash-graph trace-model` derived for them."""
     from dflash_graph.analysis.nodecost import cost_context
     from dflash_graph.ops import registry
     from dflash_graph.ops.costs import program_peak
@@ -74,7 +77,7 @@ def check_peak(arch: str, point: dict[str, int], packing: str, layers: list[str]
 
     spec = ARCHS[arch]
     cfg = {spec.dims[k]: v for k, v in point.items() if k != "seq"}
-    cfg.update(spec.fixed)
+    cfg.update(spec.fixed if fixed is None else fixed)
     cfg["num_hidden_layers"] = len(layers)
     if spec.layers:
         cfg["layer_types"] = list(layers)

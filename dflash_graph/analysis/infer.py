@@ -7,6 +7,7 @@ path, node, expected vs actual and the current dim bindings.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -222,7 +223,13 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
                 e.config = None if spec.lines.flag_of(("models", name, "config", e.key)) else m.config_file
                 problems.append(Problem(f"invalid {m.arch} config for model '{name}': {e}",
                                         spec.loc("models", name, "config"),
-                                        hint="docs/memory-programs.md, \"Programs for one config: trace-model\""))
+                                        expected=f"{e.key} = {json.dumps(e.want)}, or a program derived for "
+                                                 f"{e.key} = {json.dumps(e.value, default=str)}",
+                                        actual=f"{e.key} = {json.dumps(e.value, default=str)}, and no program "
+                                               "derived for it in the user program directory",
+                                        hint="trace-model traces transformers' own model under fake tensors and "
+                                             "writes the program where check reads it (docs/memory-programs.md, "
+                                             "\"Programs for one config: trace-model\")"))
                 continue
             problems.append(Problem(f"invalid {m.arch} config for model '{name}': {short(str(e), 300)[1:-1]}",
                                     spec.loc("models", name, "config"),

@@ -67,7 +67,7 @@ class NeedsTrace(ValueError):
         return (f"config key {self.key!r} = {json.dumps(self.value, default=str)}: the packaged {self.arch} memory "
                 f"program holds for {self.key} = {json.dumps(self.want)} (transformers runs other code otherwise) "
                 f"and none derived for this config is stored{f' (packing {self.packing})' if self.packing else ''}; "
-                f"derive one (torch, about a minute): dflash-graph trace-model {where}{pack}{inline}")
+                f"derive one (it needs torch): dflash-graph trace-model {where}{pack}{inline}")
 
 
 def config_keys(arch: str) -> frozenset[str]:
