@@ -23,6 +23,7 @@ from ..models.registry import ARCHS, foreign_keys
 from ..ops import registry
 from ..ops.contract import BindContext, ContractError, OpDef, build as build_dims, dim_of, match
 from ..spec.document import GraphSpec, ModelSpec
+from .drafter_weights import checkpoint_problems
 from .model_arch import resolve_archs
 
 
@@ -252,6 +253,7 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             continue
         models[name] = ModelInfo(m, cfg, dims)
     problems += _check_model_links(spec, models)
+    problems += checkpoint_problems(spec, models)   # a drafter's published checkpoint against its config
     replays = 0
     hooked = _hooked(spec)
     for ns in spec.nodes:
@@ -314,7 +316,7 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
 
 def _unread_model_keys(spec: GraphSpec, m: ModelSpec) -> list[Problem]:
     """A model key that `run` would not act on for this arch is refused, never ignored: `weights` where the arch
-    loads none (a dflash drafter starts from random initialisation), `trainable = true` where the trainer cannot
+    loads none (`Arch.loads_weights`), `trainable = true` where the trainer cannot
     train the arch (check would count gradients and AdamW state that run never makes)."""
     arch = ARCHS[m.arch]
     problems = []

@@ -139,9 +139,66 @@ class ModelStore:
             # NOTE [Trainable memory] (analysis/memory.py): the module computes in the model dtype; the trainer
             # keeps fp32 masters for AdamW when that dtype is not float32.
             d = DFlashDrafter(info.dims, embed, dtype=DTYPES[info.spec.dtype]).to(tdev)
+            if info.spec.weights is not None:
+                self._load_published(model, d, tdev)
             d.train()
             self.drafters[model] = d
         return self.drafters[model]
+
+    def _load_published(self, model: str, drafter: nn.Module, tdev: str) -> None:
+        """Start `drafter` from the published DFlash draft checkpoint its `weights` name (z-lab's, speculators'
+        or `export`'s format: models/published.py; check has compared its config and shapes with the graph's).
+        Tensors are matched by name: every one of the module's, its own final norm too where it has one. Where it
+        has none (it trains through the target's frozen norm), the checkpoint's `norm.weight` must be the plain
+        form of that norm, as `export` writes it: a drafter trained with a norm of its own would otherwise start
+        from other logits than its checkpoint's."""
+        from safetensors import SafetensorError, safe_open
+
+        from ..models import published
+
+        info = self.typed.ctx.models[model]
+        loc = self.typed.ctx.spec.loc("models", model, "weights")
+        path = self.base / info.spec.weights
+        if not path.exists():
+            raise GraphError(Problem(f"weights for model '{model}' not found: {path}", loc,
+                                     hint="a DFlash draft directory (config.json + model.safetensors), relative to "
+                                          "the graph file"))
+        try:
+            ck = published.read(path)
+        except published.CheckpointError as e:
+            raise GraphError(Problem(f"model '{model}' cannot start from {path}: {e}", loc, hint=e.hint)) from None
+        own = drafter.state_dict()
+        loaded: dict[str, torch.Tensor] = {}
+        try:
+            for f in ck.files:
+                with safe_open(str(f), "pt") as fh:
+                    for name in fh.keys():     # noqa: SIM118 (safe_open is not a mapping)
+                        mine = published.import_name(name)
+                        if mine in own or mine == published.NORM:
+                            loaded[mine] = fh.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise _weights_error(e, model, path, loc) from None
+        norm = loaded.pop(published.NORM, None) if published.NORM not in own else None
+        try:
+            drafter.load_state_dict({k: v.to(own[k].dtype) for k, v in loaded.items() if k in own}, strict=True)
+        except RuntimeError as e:
+            raise _weights_error(e, model, path, loc) from None
+        if norm is not None:
+            owner = info.component_owner("norm").split(".")[0]
+            w = self.component(model, "norm", tdev).weight.detach().to("cpu", torch.float32)
+            plus_one = ARCHS[self.typed.ctx.models[owner].spec.arch].norm_plus_one
+            plain = (1.0 + w if plus_one else w).to(norm.dtype)
+            if plain.shape != norm.shape or not torch.equal(plain, norm):
+                diff = (f"{(plain.float() - norm.float()).abs().max().item():.3g}" if plain.shape == norm.shape
+                        else f"shape {list(norm.shape)}")
+                raise GraphError(Problem(
+                    f"model '{model}' trains through the frozen final norm of model '{owner}', but the checkpoint "
+                    f"{ck.path} was trained with a final norm of its own (its norm.weight differs from that norm "
+                    f"by {diff}): the drafter would not start from the checkpoint's logits", loc,
+                    expected=f"norm.weight = the final norm of '{owner}'{' (1 + w)' if plus_one else ''}, as "
+                             "`dflash-graph export` writes it", actual="a norm.weight trained with the drafter",
+                    hint="give the drafter a trainable final norm of its own (docs/drafter.md, \"The final "
+                         "norm\"), or start from a checkpoint trained through the target's norm"))
 
     def module(self, node, role: str, tdev: str) -> nn.Module:
         """The module a node asks for by role (its op's Traits.modules, ops/contract.py): "body" (the model

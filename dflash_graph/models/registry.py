@@ -122,6 +122,7 @@ ARCHS: dict[str, Arch] = {
     # a DFlash drafter's config.json (z-lab's, and the one `run` exports) says model_type "qwen3": its layers
     "dflash": Arch("dflash", "dflash_graph.models.dflash", "DFlashDims", ("fc", "hidden_norm", "layers"),
                    "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`.", trains=True,
+                   loads_weights=True,   # a published DFlash draft checkpoint: models/published.py
                    model_types=("qwen3",), target=False, label="DFlash drafter"),
 }
 

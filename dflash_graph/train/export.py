@@ -29,21 +29,9 @@ from pathlib import Path
 import torch
 
 from ..errors import GraphError, Location, Problem
+from ..models.published import export_name   # the names, read back by models/published.py (one adapter)
 
-LAYER_NAMES = {  # this project's DFlashLayer -> the format's decoder layer
-    "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-    "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
-}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def export_name(name: str) -> str:
-    parts = name.split(".")
-    if parts[0] == "layers":
-        return ".".join(["layers", parts[1], LAYER_NAMES[parts[2]], *parts[3:]])
-    return name
 
 
 def state_dict(drafter, target_norm_weight: torch.Tensor, dtype: torch.dtype, norm_plus_one: bool
