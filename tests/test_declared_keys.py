@@ -67,20 +67,21 @@ def test_run_refuses_a_missing_corpus_naming_the_graph_line(in_repo, tmp_path, c
     assert not (tmp_path / "r").exists()
 
 
-def test_drafter_weights_refused(in_repo, capsys):
-    """`weights` on a dflash drafter would be ignored by run (it trains from scratch): refused, naming the flag."""
+def test_drafter_weights_missing_is_refused(in_repo, capsys):
+    """`weights` on a dflash drafter that names no file: refused, naming the flag (run would otherwise train from
+    scratch)."""
     code = main(["check", "graphs/tiny.toml", "--set", "models.drafter.weights=/nonexistent/x.safetensors"])
     assert code == 2
     err = capsys.readouterr().err
     assert "--set models.drafter.weights=/nonexistent/x.safetensors: error at models.drafter.weights" in err
-    assert "cannot load weights" in err
+    assert "no such file or directory" in err
 
 
 def test_arch_declarations_match_what_run_does():
     """The arch registry's declarations are what the run-time store does: every target loads weights (ModelStore
-    .full builds it through transformers' own class), only dflash trains (ModelStore.trainable_parameters holds
-    the drafters)."""
-    assert {a for a, x in ARCHS.items() if x.loads_weights} == {a for a, x in ARCHS.items() if x.target}
+    .full builds it through transformers' own class) and so does the drafter (ModelStore.drafter, from a DFlash
+    draft checkpoint), only dflash trains (ModelStore.trainable_parameters holds the drafters)."""
+    assert {a for a, x in ARCHS.items() if x.loads_weights} == {a for a, x in ARCHS.items() if x.target} | {"dflash"}
     assert all(x.hf_causal_lm for x in ARCHS.values() if x.target)
     assert {a for a, x in ARCHS.items() if x.trains} == {"dflash"}
 

@@ -107,8 +107,11 @@ MODEL = Section("models.<name>", "A model whose weights nodes use.", (
     Key("trainable", "bool", "Train this model (gradients and AdamW state are counted) or keep it frozen. Only a "
         "dflash drafter trains; `trainable = true` on a target is refused.", default=False),
     Key("weights", "str", "A target: local path to weights (a directory for from_pretrained or a .safetensors file), "
-        "relative to this file. Absent: random initialisation. A dflash drafter cannot load weights yet: the key is "
-        "refused there (it starts from random initialisation; `run --resume` continues a run).", path="run"),
+        "relative to this file. A dflash drafter: the DFlash draft checkpoint it starts from (a directory of "
+        "config.json + model.safetensors in the format `export` and z-lab write, or in speculators' format; or its "
+        ".safetensors file); check compares its block size, target layers, mask token, shapes and target depth "
+        "with the graph's (docs/drafter.md, \"Fine-tuning a published drafter\"). Absent: random initialisation "
+        "(`run --resume` continues a run).", path="run"),
     Key("shares", "table", "Components taken from another model: `{ embed = \"target.embed\", norm = "
         "\"target.norm\", lm_head = \"target.lm_head\" }`. Shared tensors are frozen and counted once per device."),
     Key("attn_implementation", "str", "A target: transformers' attention implementation for this model's forward "
