@@ -138,6 +138,51 @@ def test_check_reads_a_checkpoint_without_torch(trained):
     assert "Traceback" not in p.stderr
 
 
+def test_a_checkpoints_target_layers_are_checked_like_the_hooks(trained, tmp_path, in_repo, capsys):
+    """tiny.toml hooks and concatenates layers [1, 3] and declares them; a checkpoint trained on [3, 1] (the same
+    fc width) is refused at the drafter's target_layer_ids, naming both lists and the hooks to change."""
+    _, out = trained
+    other = tmp_path / "swapped"
+    shutil.copytree(out, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [3, 1]
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert main(["check", "graphs/tiny.toml", "--set", f"models.drafter.weights={other}"]) == 2
+    err = capsys.readouterr().err
+    assert "error at models.drafter.config.target_layer_ids" in err
+    assert "expected: target_layer_ids = [3, 1] (the checkpoint's config.json)" in err
+    assert "actual:   target_layer_ids = [1, 3] (the graph's drafter)" in err
+    assert "hook and concatenate the target's layers [3, 1] in that order" in err
+
+
+SPECULATORS = {"speculators_model_type": "dflash", "block_size": 4, "mask_token_id": 1, "draft_vocab_size": 128,
+               "aux_hidden_state_layer_ids": [2, 4],
+               "transformer_layer_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                                            "vocab_size": 128}}
+
+
+def test_speculators_layer_ids_are_hidden_states_indices():
+    fmt, cfg, _ = published.read_config(SPECULATORS)
+    assert fmt == "speculators" and cfg["target_layer_ids"] == [1, 3]
+    assert (cfg["rms_norm_eps"], cfg["rope_theta"]) == (published.QWEN3_DEFAULTS["rms_norm_eps"],
+                                                        published.QWEN3_DEFAULTS["rope_theta"])
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"draft_vocab_size": 64}, "reduced vocabulary of 64 tokens"),
+    ({"sample_from_anchor": True}, "sample from the anchor slot"),
+    ({"aux_hidden_state_layer_ids": [0, 2]}, "reads hidden_states[0], the target's embeddings"),
+    ({"speculators_model_type": "eagle3"}, "a speculators 'eagle3' model, not a DFlash drafter"),
+    ({"transformer_layer_config": {**SPECULATORS["transformer_layer_config"],
+                                   "layer_types": ["sliding_attention"]}}, "layer types ['sliding_attention']"),
+])
+def test_speculators_drafters_this_project_cannot_be_are_refused(change, words):
+    with pytest.raises(published.CheckpointError) as e:
+        published.read_config({**SPECULATORS, **change})
+    assert words in str(e.value) and e.value.hint
+
+
 def test_run_refuses_a_missing_checkpoint(in_repo, tmp_path, capsys):
     assert main(["run", "graphs/tiny.toml", "--set", "models.drafter.weights=no/such/drafter", "--steps", "1",
                  "--out", str(tmp_path / "r"), "--no-progress"]) == 2
