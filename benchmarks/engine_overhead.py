@@ -124,7 +124,7 @@ class HandStep:
             drawn = sample_anchors(mask, pos, B, A, generator)
             anchors = torch.zeros(A, dtype=torch.int64)
             anchors[: drawn.numel()] = drawn                                             # padding: masked by valid
-            valid = slot_valid(mask, anchors, drawn.numel(), B)                           # [A, B]
+            valid = slot_valid(mask, anchors, drawn.numel(), B, pos)                      # [A, B]
             rows = torch.remainder(anchors[:, None] + self.offsets - 1, T)               # [A, B]
             target_logits = self.lm_head(self.norm(last[rows]))                          # [A, B, V]
         hidden = self.drafter(features, ids, pos, anchors)                               # [A, B, H]

@@ -1,26 +1,34 @@
-"""Anchors as they should be, on random packings (Hypothesis): drawn per document within loss-masked positions,
-blocks inside their document and never overlapping, scored slots exactly the loss tokens, and a drafter whose
-output for an anchor does not move when anything it must not see (another document, the anchor's own future,
-another block) changes."""
+"""Anchors as they should be, on random packings (Hypothesis): drawn per document at loss tokens whose next token
+is a loss token of the same document, blocks free to run past their document's end but not past the row, never
+overlapping within a document and never scoring a token twice, scored slots exactly the anchor's own run of loss
+tokens, every loss token after a loss token reached at slot 1 (the ends of documents included), and a drafter
+whose output and loss for an anchor do not move when anything it must not see (another document, the anchor's own
+future, another block) changes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dflash_graph.models.dflash import DFlashDims
+from types import SimpleNamespace
+
 from dflash_graph.models.nn.dflash import (
     DFlashDrafter,
     anchor_grid,
     block_positions,
     dflash_attention_mask,
     document_ids,
+    eligible_anchors,
     sample_anchors,
+    slot_reach,
     slot_valid,
 )
+from dflash_graph.ops import torch_impl
 from dflash_graph.ops.torch_impl import acceptance_counts
+from dflash_graph.train.metrics import coverage
 
 
 @st.composite
@@ -63,22 +71,44 @@ def _docs(pos):
     return doc, ends
 
 
+def _eligible(mask, pos, block):
+    """The anchor rule, spelled out per position: p and p+1 are loss tokens of one document, p + B <= T."""
+    doc, _ = _docs(pos)
+    t = pos.numel()
+    return {p for p in range(t - 1) if mask[p] and mask[p + 1] and doc[p + 1] == doc[p] and p + block <= t}
+
+
+def _run(mask, doc, p, block):
+    """How many slots of a block anchored at p are scored: the loss tokens p+1, p+2, ... of p's document."""
+    k = 0
+    while k + 1 < block and p + k + 1 < mask.numel() and mask[p + k + 1] and doc[p + k + 1] == doc[p]:
+        k += 1
+    return k
+
+
 @settings(max_examples=60)
 @given(packings())
-def test_anchors_per_document_within_loss_positions_never_overlapping(p):
+def test_anchors_are_loss_tokens_and_blocks_stay_in_the_row(p):
     pos, mask, block, count, seed = p
     doc, ends = _docs(pos)
+    t = pos.numel()
     anchors = sample_anchors(mask, pos, block, count, torch.Generator().manual_seed(seed))
     a = anchors.tolist()
     assert a == sorted(set(a)) and len(a) <= count
+    assert set(a) <= _eligible(mask, pos, block)
+    assert set(torch.nonzero(eligible_anchors(mask, pos, block)).view(-1).tolist()) == _eligible(mask, pos, block)
     for x in a:
-        assert x + 1 < ends[x] and mask[x + 1], "the first drafted token is a loss token of the anchor's document"
-        assert x + block <= ends[x], "the block fits inside the anchor's document"
+        assert mask[x] and mask[x + 1] and doc[x + 1] == doc[x], "anchor and first draft: loss tokens, one document"
+        assert x + block <= t, "the block's indices stay in the row (the verifier gather is exact there)"
     idx = block_positions(anchors, block)
+    for d in set(doc[anchors].tolist()):
+        mine = idx[doc[anchors] == d].reshape(-1).tolist()
+        assert len(mine) == len(set(mine)), "blocks of one document never overlap"
+    v = slot_valid(mask, anchors, len(a), block, pos)
+    scored = idx[:, 1:][v[:, 1:]].tolist()
+    assert len(scored) == len(set(scored)), "no token is scored twice in one draw"
     if a:
-        assert bool((doc[idx] == doc[anchors][:, None]).all()), "a block never crosses a document boundary"
-    covered = idx.reshape(-1).tolist()
-    assert len(covered) == len(set(covered)), "blocks never overlap"
+        assert bool((doc[idx][v] == doc[anchors][:, None].expand_as(idx)[v]).all()), "never scores another document"
 
 
 @settings(max_examples=60)
@@ -102,17 +132,56 @@ def test_each_document_gets_its_proportional_share(p):
 
 @settings(max_examples=60)
 @given(packings())
-def test_scored_slots_are_the_loss_tokens(p):
+def test_scored_slots_are_the_anchors_own_run_of_loss_tokens(p):
     pos, mask, block, count, seed = p
+    doc, _ = _docs(pos)
     drawn = sample_anchors(mask, pos, block, count, torch.Generator().manual_seed(seed))
     n = drawn.numel()
     anchors = torch.cat([drawn, torch.zeros(count - n, dtype=torch.int64)])
-    v = slot_valid(mask, anchors, n, block)
+    v = slot_valid(mask, anchors, n, block, pos)
     assert v.shape == (count, block)
     assert not v[n:].any(), "padding anchors score nothing"
     for i, x in enumerate(drawn.tolist()):
-        assert v[i, 0]
-        assert v[i, 1:].tolist() == mask[x + 1: x + block].tolist()
+        k = _run(mask, doc, x, block)
+        assert v[i].tolist() == [True] * (k + 1) + [False] * (block - 1 - k), (x, k)
+
+
+@settings(max_examples=60)
+@given(packings())
+def test_reach_is_every_slot_an_eligible_anchor_scores(p):
+    """slot_reach[t, k]: some eligible anchor p = t - k scores slot k; so a loss token whose predecessor is a
+    loss token of its document is reached at slot 1 unless the row ends within B - 1 tokens of it, the last
+    tokens of a document included (before issue 23 the last B - 2 never were)."""
+    pos, mask, block, _, _ = p
+    doc, ends = _docs(pos)
+    t = pos.numel()
+    elig = _eligible(mask, pos, block)
+    reach = slot_reach(mask, pos, block)
+    want = [[k >= 1 and t - k >= 0 and (x - k) in elig and _run(mask, doc, x - k, block) >= k
+             for k in range(block)] for x in range(t)]
+    assert reach.tolist() == want
+    if block >= 2:
+        for x in range(1, t):
+            if mask[x] and mask[x - 1] and doc[x - 1] == doc[x] and x - 1 + block <= t:
+                assert reach[x, 1], x
+        last = [int(e) - 1 for e in torch.unique(ends) if mask[int(e) - 1] and mask[int(e) - 2] and int(e) >= 2
+                and doc[int(e) - 2] == doc[int(e) - 1] and int(e) - 2 + block <= t]
+        assert all(reach[x, 1] for x in last), "a document's last loss token is drafted at slot 1"
+
+
+def test_coverage_is_the_share_of_loss_tokens_per_slot():
+    # a chat-like row: two answers of 6 and 3 tokens after prompts, then padding; block 4
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 0], dtype=torch.bool)
+    pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 0, 1, 2])
+    reach = slot_reach(mask, pos, 4) & mask[:, None]
+    # slot 1: every answer token but each answer's first (the prefill's token, an anchor only): 5 + 2 of 9
+    # slot 2: tokens 4..7 and 12: an anchor at t-2 with t-1 and t in its run; slot 3: 5..7 (12: its anchor 9 is
+    # not a loss token)
+    assert reach.sum(0).tolist() == [0, 7, 5, 3]
+    c = coverage(reach.sum(0).tolist(), [0, 2, 2, 1], int(mask.sum()))
+    assert c == {"slot_reach": [0.0, round(7 / 9, 4), round(5 / 9, 4), round(3 / 9, 4)],
+                 "slot_scored": [0.0, round(2 / 9, 4), round(2 / 9, 4), round(1 / 9, 4)]}
+    assert coverage([0, 0], None, 0) == {"slot_reach": [None, None]}
 
 
 def test_every_eligible_position_is_drawn_at_the_same_rate():
@@ -124,9 +193,9 @@ def test_every_eligible_position_is_drawn_at_the_same_rate():
     hits = torch.zeros(pos.numel())
     for _ in range(1500):
         hits[sample_anchors(mask, pos, 4, 6, g)] += 1
-    doc, ends = _docs(pos)
-    idx = torch.arange(pos.numel())
-    elig = (idx + 4 <= ends) & (idx + 1 < ends)
+    doc, _ = _docs(pos)
+    elig = torch.zeros(pos.numel(), dtype=torch.bool)
+    elig[sorted(_eligible(mask, pos, 4))] = True
     rate = hits[elig] / 1500
     for d in (0, 1):       # within a document, every eligible position alike (within sampling noise)
         r = rate[doc[elig] == d]
@@ -181,6 +250,64 @@ def test_the_drafter_never_sees_another_document_or_the_future(one_thread, p, se
             ctx3[seen] += 1.0
             with torch.no_grad():
                 assert not torch.allclose(model(ctx3, ids, pos, drawn)[i], base[i])
+
+
+def _small_drafter(block: int, seed: int) -> tuple[DFlashDrafter, torch.nn.Linear]:
+    d = DFlashDims(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, block_size=block,
+                   mask_token_id=1, target_layer_ids=(0, 1), target_hidden_size=16, vocab_size=40)
+    torch.manual_seed(seed)
+    embed = torch.nn.Embedding(40, 16).double()
+    head = torch.nn.Linear(16, 40, bias=False).double()
+    return DFlashDrafter(d, embed, dtype=torch.float64), head
+
+
+@settings(max_examples=10)
+@given(p=packings(max_tokens=80), seed=st.integers(0, 10_000), kind=st.sampled_from(["kl", "ce"]))
+def test_a_block_past_its_documents_end_never_reads_or_scores_the_next(one_thread, p, seed, kind):
+    """The graph's training step for one anchor whose block runs past its document's end (the drafter, the
+    verifier targets as tiny.toml gathers them: roll by 1, then the block's positions, and the loss op with the
+    anchor op's `valid`): its loss and its gradients are the same whatever the next documents hold (tokens,
+    context features, the verifier's logits), and they change when a scored target of its own changes."""
+    pos, mask, block, _, _ = p
+    block = max(block, 2)
+    doc, ends = _docs(pos)
+    t = pos.numel()
+    past = [x for x in sorted(_eligible(mask, pos, block)) if x + block > ends[x]]
+    assume(past)
+    x = past[seed % len(past)]
+    anchors = torch.tensor([x])
+    valid = slot_valid(mask, anchors, 1, block, pos)
+    model, head = _small_drafter(block, seed)
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(t, 32, dtype=torch.float64, generator=g)
+    ids = torch.randint(2, 40, (t,), generator=g)
+    verifier = torch.randn(t, 40, dtype=torch.float64, generator=g)
+    c = SimpleNamespace(params={"kind": kind, "gamma": 7.0})
+
+    def step(ctx, ids, verifier):
+        model.zero_grad()
+        logits = head(model(ctx, ids, pos, anchors))                                   # [1, B, V]
+        target = torch.roll(verifier, 1, 0)[block_positions(anchors, block).clamp_max(t - 1)]
+        out = torch_impl.loss(c, logits, target, valid)
+        out["loss"].backward()
+        return out["loss"].detach(), [q.grad.clone() for q in model.parameters()]
+
+    base, grads = step(ctx, ids, verifier)
+    other = doc != doc[x]
+    assert bool(other[int(ends[x]):x + block].all()), "the block's tail lies in the next document"
+    ctx2, ids2, ver2 = ctx.clone(), ids.clone(), verifier.clone()
+    n = int(other.sum())
+    ctx2[other] = torch.randn(n, 32, dtype=torch.float64)
+    ids2[other] = torch.randint(2, 40, (n,))
+    ver2[other] = 100 * torch.randn(n, 40, dtype=torch.float64)
+    got, grads2 = step(ctx2, ids2, ver2)
+    torch.testing.assert_close(got, base, rtol=0, atol=1e-12)
+    for a, b in zip(grads2, grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    ver3 = verifier.clone()
+    ver3[x] = 100 * torch.randn(40, dtype=torch.float64)        # slot 1's target (p + 1 - 1): scored, so it counts
+    assert not torch.allclose(step(ctx, ids, ver3)[0], base)
 
 
 def test_acceptance_counts_follow_greedy_verification():

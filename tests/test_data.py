@@ -190,6 +190,10 @@ def test_a_chat_run_reports_tau_and_the_held_out_split(in_repo, tmp_path):
     assert [r["step"] for r in recs] == [1, 2]
     for r in recs:
         assert r["tau"] >= 1 and len(r["slot_accept"]) == 3
+        # coverage per slot: slot 0 (the anchor) is never scored; what a step's anchors score is a part of what
+        # the anchor rule can reach
+        assert r["slot_reach"][0] is None and r["slot_scored"][0] is None and len(r["slot_reach"]) == 4
+        assert all(0 < s <= q <= 1 for s, q in zip(r["slot_scored"][1:], r["slot_reach"][1:])), r
     assert "heldout" not in recs[0]
     h = recs[1]["heldout"]
     assert h["tau"] >= 1 and h["anchors"] > 0 and h["sequences"] == 2 and len(h["slot_accept"]) == 3

@@ -169,9 +169,10 @@ def test_sample_anchors_rules():
     t = pos.numel()
     loss_mask = torch.rand(t, generator=torch.Generator().manual_seed(1)) > 0.3
     doc = document_ids(pos)
-    ends = torch.cumsum(torch.tensor(lengths), 0)[doc]
-    # p drafts p+1 first: that token must be a loss token of p's document, and the block must fit in it
-    eligible = {p for p in range(t) if p + 1 < ends[p] and loss_mask[p + 1] and p + block <= ends[p]}
+    # p is a loss token (decoding's anchor is a token the target produced) and drafts p+1 first: a loss token
+    # of p's document; the block must fit in the row, and may run past p's document's end
+    eligible = {p for p in range(t - 1) if loss_mask[p] and loss_mask[p + 1] and doc[p + 1] == doc[p]
+                and p + block <= t}
     g = torch.Generator().manual_seed(0)
     seen = set()
     for _ in range(200):
@@ -179,11 +180,12 @@ def test_sample_anchors_rules():
         assert a.dtype == torch.int64 and 1 <= a.numel() <= 6
         assert a.tolist() == sorted(set(a.tolist()))  # sorted, without replacement
         assert set(a.tolist()) <= eligible
-        assert all(y - x >= block for x, y in zip(a.tolist(), a.tolist()[1:]))  # blocks never overlap
+        for x, y in zip(a.tolist(), a.tolist()[1:]):
+            assert doc[x] != doc[y] or y - x >= block  # blocks of one document never overlap
         seen |= set(a.tolist())
     assert seen == eligible  # every eligible position turns up
-    # the 5-token document cannot hold a block of 8: no anchor there
-    assert not any(30 <= p < 35 for p in seen)
+    # the 5-token document is shorter than a block of 8, and its loss tokens are still drafted
+    assert {p for p in range(30, 34) if loss_mask[p] and loss_mask[p + 1]} <= seen
     assert sample_anchors(torch.zeros(t, dtype=torch.bool), pos, block, 8, g).numel() == 0
     # the generator makes it reproducible
     a1 = sample_anchors(loss_mask, pos, block, 6, torch.Generator().manual_seed(7))

@@ -61,7 +61,7 @@ def anchor_sample(c, loss_mask, position_ids):
     n = a.numel()
     pad = torch.zeros(count - n, dtype=torch.int64, device=a.device)  # position 0: masked out by `valid`
     anchors = torch.cat([a, pad])
-    return {"anchors": anchors, "valid": slot_valid(loss_mask, anchors, n, block)}
+    return {"anchors": anchors, "valid": slot_valid(loss_mask, anchors, n, block, position_ids)}
 
 
 def block_positions(c, anchors):

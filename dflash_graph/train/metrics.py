@@ -2,7 +2,7 @@
 per-slot conditional acceptance rate, from the loss op's `accepted` counts (ops/torch_impl.acceptance_counts),
 summed over micro-batches and replicas before dividing, so every anchor weighs the same; and what a run carries
 from step to step for its user (RunStats: the smoothed loss and tau, the skipped steps, the last evaluation), which
-each checkpoint keeps."""
+each checkpoint keeps; and the anchors' coverage of the loss tokens, per block slot."""
 
 from __future__ import annotations
 
@@ -20,6 +20,27 @@ def acceptance(counts: Sequence[float]) -> dict[str, object]:
         return {"tau": None, "slot_accept": [None] * max(len(n) - 1, 0), "anchors": 0}
     cond = [round(n[k] / n[k - 1], 4) if n[k - 1] > 0 else None for k in range(1, len(n))]
     return {"tau": round(1.0 + sum(n[1:]) / n[0], 4), "slot_accept": cond, "anchors": int(n[0])}
+
+
+def shares(counts: Sequence[float], total: float) -> list[float | None]:
+    """counts[k] / total, rounded to 4 places (None for every entry when total is 0)."""
+    return [round(float(c) / total, 4) if total > 0 else None for c in counts]
+
+
+def coverage(reach: Sequence[float], scored: Sequence[float] | None, loss_tokens: float) -> dict[str, object]:
+    """The anchors' coverage of a step's loss tokens, per block slot k (slot 0, the anchor, is never scored):
+
+    * slot_reach[k]: the share of the loss tokens that some eligible anchor scores at slot k
+      (models/nn/dflash.slot_reach). 1 - slot_reach[1] is the share never drafted at slot 1, whatever the
+      draw: the tokens the drafter never learns to draft first (docs/drafter.md, "Coverage").
+    * slot_scored[k]: the share of the loss tokens this step's anchors scored at slot k (`valid` [A, B]
+      summed over anchors; the draw and the anchor budget decide it).
+
+    reach, scored: per-slot counts summed over the step's sequences; loss_tokens: their loss tokens."""
+    out: dict[str, object] = {"slot_reach": shares(reach, loss_tokens)}
+    if scored is not None:
+        out["slot_scored"] = shares(scored, loss_tokens)
+    return out
 
 
 SMOOTHING = 0.1     # weight of the newest step in the moving averages (about the last 10 steps)

@@ -55,7 +55,7 @@ from ..rewrite.pipeline import Plan
 from . import checkpoint
 from ..spec.paths import require_paths
 from .data import PackedData, load_data
-from .metrics import RunStats, acceptance, json_line
+from .metrics import RunStats, acceptance, coverage, json_line
 from .rundir import resumed_steps, write_json
 
 
@@ -283,6 +283,10 @@ class Trainer:
         self.params = self.store.trainable_parameters() if self.is_writer else []
         self.loss_node = next(n.id for n in typed.graph.nodes     # the loss op, or the fused op that replaced it
                               if registry.get(n.op).traits.sink and "loss" in typed.outputs_of(n.id))
+        # the anchors' coverage per slot (train/metrics.coverage): the loss node's `valid` [A, B] is kept for it
+        loss_in = dict(next(n for n in typed.graph.nodes if n.id == self.loss_node).inputs)
+        self.valid_ref = loss_in.get("valid")
+        self.block = typed.types[self.valid_ref].sizes[-1] if self.valid_ref is not None else 0
         self.start_step = 0
         self.stats = RunStats()
         self.masters, self.opt, self.sched = [], None, None
@@ -389,6 +393,18 @@ class Trainer:
         R = self.interp.replicas
         comm = self.comm
         losses, accs, counts = [], [], 0
+        cover = {"reach": 0, "scored": 0, "loss_tokens": 0}
+
+        def batch(rr: int) -> dict[str, torch.Tensor]:
+            b = self.shards[rr].next_batch()
+            if self.block:
+                from ..models.nn.dflash import slot_reach
+
+                mask = b["loss_mask"]
+                cover["reach"] = cover["reach"] + (slot_reach(mask, b["position_ids"], self.block)
+                                                   & mask[:, None]).sum(0)
+                cover["loss_tokens"] += int(mask.sum())
+            return b
         ranks: dict[int, list[float]] = {}
         t_step = time.perf_counter()
         wait0 = comm.wait_seconds if comm else 0.0
@@ -406,7 +422,8 @@ class Trainer:
                         acc_ = ranks.setdefault(src, [0.0, 0.0])
                         acc_[0] += b
                         acc_[1] += w
-                res = self.interp.run_replica(r, lambda rr: self.shards[rr].next_batch(),
+                keep = frozenset([self.valid_ref]) if self.valid_ref is not None else frozenset()
+                res = self.interp.run_replica(r, batch, keep=keep,
                                               generator=self._generator(step, a, r), inbox=inbox, sends=self.routes[r])
                 inbox = None
                 out = res.get(self.loss_node)
@@ -416,6 +433,9 @@ class Trainer:
                     losses.append(float(out["loss"].detach()))
                     accs.append(out["slot_acc"].detach().float().cpu())
                     counts = counts + out["accepted"].detach().double().cpu()
+                    valid = res.get(self.valid_ref.node, {}).get(self.valid_ref.output) if self.valid_ref else None
+                    if valid is not None:
+                        cover["scored"] = cover["scored"] + valid.detach().to(torch.int64).sum(0).cpu()
                 del res, out
                 if comm is not None:
                     if self.receives[r]:
@@ -430,6 +450,10 @@ class Trainer:
             acc = torch.stack(accs).mean(0)
             m.update({"loss": loss, "slot_acc": [round(float(a), 4) for a in acc.tolist()],
                       **acceptance(counts.tolist())})
+            if cover["loss_tokens"]:      # where this process packs the batches (not on a torchrun drafter rank)
+                cov = coverage(cover["reach"].tolist(), None if isinstance(cover["scored"], int)
+                               else cover["scored"].tolist(), cover["loss_tokens"])
+                m.update({k: [None, *v[1:]] for k, v in cov.items()})     # slot 0, the anchor, is never scored
         wait = (comm.wait_seconds - wait0) if comm else 0.0
         ranks[self.rank] = [time.perf_counter() - t_step - wait, wait]
         m["ranks"] = {str(k): {"busy_s": round(v[0], 4), "wait_s": round(v[1], 4)} for k, v in sorted(ranks.items())}
@@ -603,6 +627,7 @@ class Trainer:
                "tau": m["tau"], "slot_accept": m["slot_accept"],
                "lr": m["lr"], "grad_norm": round(gnorm, 4) if math.isfinite(gnorm) else None,
                "step_seconds": round(dt, 4), "ranks": m["ranks"], "memory_bytes": self._memory_now()}
+        rec.update({k: m[k] for k in ("slot_reach", "slot_scored") if k in m})
         if m.get("skipped"):
             rec["skipped"] = m["skipped"]
         return rec

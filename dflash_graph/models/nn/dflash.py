@@ -47,6 +47,7 @@ __all__ = [
     "anchor_grid",
     "eligible_anchors",
     "sample_anchors",
+    "slot_reach",
     "slot_valid",
 ]
 
@@ -80,14 +81,6 @@ def document_ids(position_ids: Tensor) -> Tensor:
     return torch.cumsum(start.to(torch.long), 0) - 1
 
 
-def _document_ends(doc: Tensor) -> Tensor:
-    """[T] exclusive end index of each token's document."""
-    t = doc.numel()
-    counts = torch.bincount(doc)
-    ends = torch.cumsum(counts, 0)
-    return ends[doc] if t else doc.clone()
-
-
 def _document_starts(doc: Tensor) -> Tensor:
     """[T] index of the first token of each token's document."""
     if doc.numel() == 0:
@@ -96,12 +89,36 @@ def _document_starts(doc: Tensor) -> Tensor:
     return (torch.cumsum(counts, 0) - counts)[doc]
 
 
+def _loss_runs(loss_mask: Tensor, doc: Tensor) -> Tensor:
+    """[T] for each position p: how many tokens from p+1 on are loss tokens of p's document without a break
+    (0 when p+1 is not one). Slot k of a block anchored at p is scored exactly when k <= run[p]."""
+    t = doc.numel()
+    dev = doc.device
+    idx = torch.arange(t, device=dev)
+    brk = ~loss_mask.to(torch.bool)
+    if t:
+        brk = brk.clone()
+        brk[1:] |= doc[1:] != doc[:-1]                              # a document's first token ends every run
+    at = torch.where(brk, idx, torch.full_like(idx, t))
+    nxt = torch.flip(torch.cummin(torch.flip(at, [0]), 0).values, [0]) if t else at   # first break at or after i
+    run = torch.zeros(t, dtype=torch.long, device=dev)
+    if t > 1:
+        run[:-1] = nxt[1:] - idx[1:]
+    return run
+
+
 def eligible_anchors(loss_mask: Tensor, position_ids: Tensor, block_size: int) -> Tensor:
     """bool [T]: positions ``p`` that may anchor a block, before the grid and the draw.
 
     ``loss_mask[t]`` marks the tokens the drafter learns to predict (every token after a document's first for
-    text; the assistant's tokens for chat data). ``p`` qualifies when the token it drafts first, ``p + 1``, is a
-    loss token of p's own document, and the whole block ``p .. p+B-1`` lies inside p's document.
+    text; the assistant's tokens for chat data). ``p`` qualifies when it is itself a loss token, the token it
+    drafts first, ``p + 1``, is a loss token of p's own document, and the block ``p .. p+B-1`` fits in the
+    packed row. The block may run past the end of p's document: the slots past it are not scored
+    (``slot_valid``) and see nothing of the next document (NOTE [Blocks past a document's end]).
+
+    The anchor is a loss token because decoding's anchor is always a token the target produced (the first
+    token of an answer comes from the prefill forward, and each round's anchor is the last verified token):
+    the first token of an assistant turn is an anchor, never a drafted slot, as in decoding.
     """
     if block_size < 1:
         raise ValueError(f"block_size: must be positive, got {block_size}")
@@ -113,10 +130,7 @@ def eligible_anchors(loss_mask: Tensor, position_ids: Tensor, block_size: int) -
     doc = document_ids(position_ids)
     t = doc.numel()
     idx = torch.arange(t, device=doc.device)
-    ends = _document_ends(doc)
-    nxt = torch.zeros(t, dtype=torch.bool, device=doc.device)
-    nxt[:-1] = loss_mask[1:].to(torch.bool)
-    return nxt & (idx + 1 < ends) & (idx + block_size <= ends)
+    return loss_mask.to(torch.bool) & (_loss_runs(loss_mask, doc) >= 1) & (idx + block_size <= t)
 
 
 def _rand(n: int, generator: torch.Generator | None, device) -> Tensor:
@@ -150,11 +164,12 @@ def sample_anchors(
 ) -> Tensor:
     """Up to ``max_anchors`` anchor positions, sorted, int64 [A], drawn per document, never overlapping.
 
-    1. Eligible positions: ``eligible_anchors`` (the first drafted token is a loss token of the anchor's
-       document and the block fits inside it).
+    1. Eligible positions: ``eligible_anchors`` (the anchor and the first token it drafts are loss tokens of
+       one document, and the block fits in the row; it may run past the document's end).
     2. A grid per document: each document draws a phase ``o`` in ``[0, B)`` and keeps the eligible positions
        at ``o, o+B, o+2B, ...`` from its first token. Blocks on one grid tile the document, so no two blocks
-       overlap; over draws every eligible position is on the grid with probability 1/B.
+       overlap (a last block past the document's end may overlap the next document's blocks only in slots that
+       are not scored); over draws every eligible position is on the grid with probability 1/B.
     3. Quotas per document: with ``C`` grid candidates in all and ``c_d`` in document ``d``, document ``d``
        gets ``floor(A * c_d / C)`` anchors, and the ``A - sum`` left over go to the documents with the
        largest remainders (ties broken at random). So every document gets its proportional share, whatever
@@ -192,17 +207,39 @@ def sample_anchors(
     return torch.sort(cand[chosen]).values
 
 
-def slot_valid(loss_mask: Tensor, anchors: Tensor, n_real: int, block_size: int) -> Tensor:
+def slot_valid(loss_mask: Tensor, anchors: Tensor, n_real: int, block_size: int,
+               position_ids: Tensor | None = None) -> Tensor:
     """bool [A, B]: slot k of anchor a is scored. Slot 0 marks a real anchor (the first ``n_real``); slot
-    k >= 1 also needs token ``anchors[a] + k`` to be a loss token (a block running past the end of an
-    assistant turn is not scored on the user's next words)."""
+    k >= 1 also needs tokens ``anchors[a] + 1 .. anchors[a] + k`` to be loss tokens of the anchor's document,
+    without a break: the scored slots of a block are a prefix of it, as the drafts decoding accepts are. A block
+    running past the end of an assistant turn is not scored on the user's next words (nor on a later turn),
+    and one running past the end of its document is not scored on the next document. ``position_ids`` [T]
+    gives the documents (``document_ids``); without it the row is one document."""
     anchors = _as_1d_long(anchors, "anchors")
     a = anchors.numel()
-    real = torch.arange(a, device=anchors.device) < n_real
+    dev = anchors.device
+    real = torch.arange(a, device=dev) < n_real
     t = loss_mask.numel()
-    pos = (anchors[:, None] + torch.arange(block_size, device=anchors.device)[None, :]).clamp_max(max(t - 1, 0))
-    out = loss_mask.to(torch.bool)[pos] & real[:, None]
+    doc = document_ids(position_ids) if position_ids is not None else torch.zeros(t, dtype=torch.long, device=dev)
+    run = _loss_runs(loss_mask, doc)
+    k = torch.arange(block_size, device=dev)
+    at = anchors.clamp(0, max(t - 1, 0))
+    out = (k[None, :] <= run[at][:, None]) & real[:, None]       # [A, B]
     out[:, 0] = real
+    return out
+
+
+def slot_reach(loss_mask: Tensor, position_ids: Tensor, block_size: int) -> Tensor:
+    """bool [T, B]: token t can be scored at slot k, i.e. ``t - k`` is an eligible anchor whose slot k is
+    scored (``eligible_anchors``, ``slot_valid``). Column 0 is False (the anchor is never scored). Every eligible
+    anchor is drawn with probability > 0, so a loss token whose row is False in column k is never scored at
+    slot k, whatever the draw (docs/drafter.md, "Coverage")."""
+    elig = eligible_anchors(loss_mask, position_ids, block_size)
+    run = _loss_runs(loss_mask, document_ids(position_ids))
+    t = elig.numel()
+    out = torch.zeros(t, block_size, dtype=torch.bool, device=elig.device)
+    for k in range(1, min(block_size, t)):
+        out[k:, k] = elig[:-k] & (run[:-k] >= k)
     return out
 
 
@@ -220,6 +257,15 @@ def block_positions(anchors: Tensor, block_size: int) -> Tensor:
     """[A, B] indices into the packed sequence: ``anchor + arange(B)``."""
     anchors = _as_1d_long(anchors, "anchors")
     return anchors[:, None] + torch.arange(block_size, device=anchors.device)[None, :]
+
+
+# NOTE [Blocks past a document's end]: a block is anchor + arange(B) in the packed row, and near the end of a
+# document it runs past it (as decoding's last blocks run past the EOS). Nothing of the next document reaches it:
+# its queries see context of the anchor's own document only (`_anchor_visibility`) and its own block, whose slots
+# 1.. hold the mask token; its RoPE positions are position_ids[anchor] + k, computed from the anchor alone; and
+# the slots past the end are not scored (`slot_valid`), so the verifier rows gathered there weigh 0 in the loss
+# and its metrics. Only the packed row's end bounds a block (`eligible_anchors`): a block's indices stay in
+# [0, T), where the gather of the verifier targets is exact (NOTE [In-range gathers]).
 
 
 def _anchor_visibility(position_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
