@@ -306,7 +306,8 @@ def test_a_block_past_its_documents_end_never_reads_or_scores_the_next(one_threa
     for a, b in zip(grads2, grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     ver3 = verifier.clone()
-    ver3[x] = 100 * torch.randn(40, dtype=torch.float64)        # slot 1's target (p + 1 - 1): scored, so it counts
+    ver3[x, (int(verifier[x].argmax()) + 1) % 40] = verifier[x].max() + 10   # slot 1's target (row p + 1 - 1), a
+                                                                             # new argmax: scored, so it counts
     assert not torch.allclose(step(ctx, ids, ver3)[0], base)
 
 

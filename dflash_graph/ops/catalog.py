@@ -154,9 +154,10 @@ TRANSFER = declare(OpDef(
 declare(OpDef(
     name="anchor_sample",
     doc="Draw up to `count` anchors, sorted: per document (each gets its proportional share), on a grid of "
-        "stride `block` with a random phase (blocks never overlap), at positions whose next token is a loss "
-        "token and whose block fits inside their document (docs/drafter.md). `valid[a, k]`: slot k of anchor a "
-        "is scored (a real anchor, and token anchor+k is a loss token).",
+        "stride `block` with a random phase (a document's blocks never overlap), at loss tokens whose next token "
+        "is a loss token of their document and whose block fits in the row; a block may run past its "
+        "document's end (docs/drafter.md). `valid[a, k]`: slot k of anchor a is scored (a real anchor, and "
+        "tokens anchor+1 .. anchor+k are loss tokens of its document).",
     inputs=(Port("loss_mask", "seq", "bool"), Port("position_ids", "seq", "int64")),
     outputs=(Port("anchors", "anchors", "int64"), Port("valid", "anchors block", "bool", optional=True)),
     params=(Param("count", "dim", "Anchors per sequence (max_anchors).", default="anchors"),
