@@ -301,27 +301,125 @@ declare(OpDef(
     impl=f"{IMPL}:drafter_forward",
 ))
 
+# -- the objective: labels, normalisation, per-slot weighting, as declared choices and presets (docs/drafter.md) --
+
+#: the loss params an objective preset sets, and the project's own defaults for them
+OBJECTIVE_DEFAULTS: dict[str, Any] = {"kind": "kl", "gamma": 7.0, "labels": "verifier", "normalize": "weights",
+                                      "weighting": "decay", "dpace_alpha": 0.5}
+
+#: each reference's defaults for a DFlash drafter (the final norm, the fourth choice, is the graph's: the drafter's
+#: own trainable norm where its `shares` leave `norm` out; docs/drafter.md "The objective"):
+#: speculators 0.9.0 `train/config/schema.py` (TrainConfig._resolve_derived_defaults: loss_fn ce and
+#: per_position_loss_weight dpace for dflash; DFlashArgs: dpace_alpha 0.5, dflash_decay_gamma 4.0) and
+#: `losses/utils.py` loss_function (sum over the scored slots' count); SpecForge 0.2.0 `config/schema.py`
+#: (loss_type "dflash", loss_decay_gamma None: no decay) and `algorithms/common/dflash_family_model.py`
+#: OnlineDFlashModel.forward (labels input_ids[anchor + k], cross-entropy, over the weights' sum).
+OBJECTIVE_PRESETS: dict[str, dict[str, Any]] = {
+    "own": {},
+    "speculators": {"kind": "ce", "gamma": 4.0, "labels": "verifier", "normalize": "count", "weighting": "dpace",
+                    "dpace_alpha": 0.5},
+    "specforge": {"kind": "ce", "labels": "data", "normalize": "weights", "weighting": "uniform"},
+}
+
+
+def resolve_objective(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The loss node's objective: its params, with a preset's values where `objective` names one. A param set to
+    something other than both the project's default and the preset's value is refused (ValueError, with the fix),
+    as are combinations no reference defines (D-PACE or data labels with a loss other than ce)."""
+    name = params.get("objective", "own")
+    preset = OBJECTIVE_PRESETS[name]
+    out = {k: params.get(k, d) for k, d in OBJECTIVE_DEFAULTS.items()}
+    for k, v in preset.items():
+        if out[k] != OBJECTIVE_DEFAULTS[k] and out[k] != v:
+            raise ValueError(f"objective = {name!r} sets {k} = {v!r}, but the node sets {k} = {out[k]!r}; "
+                             f"fix: drop {k} from the node's params, or set objective = \"own\" and each choice")
+        out[k] = v
+    if out["kind"] != "ce" and (out["weighting"] == "dpace" or out["labels"] == "data"):
+        why = "weighting = 'dpace'" if out["weighting"] == "dpace" else "labels = 'data'"
+        raise ValueError(f"{why} needs kind = 'ce' (got {out['kind']!r}): D-PACE weighs the drafter's probability "
+                         "of one label, and the data gives one token, not a distribution; fix: set kind = \"ce\"")
+    return out
+
+
+def _labels_of(params: Mapping[str, Any]) -> str:
+    try:
+        return resolve_objective(params)["labels"]
+    except (KeyError, ValueError):      # refused by the bind (_objective_bind), located at the params
+        return params.get("labels", "verifier")
+
+
+def _objective_bind(ctx: BindContext):
+    resolve_objective(ctx.params)
+    return {}
+
+
+def _fused_bind(ctx: BindContext):
+    resolve_objective(ctx.params)
+    return _lm_bind(ctx)
+
+
+_LABELS = Port("labels", "anchors block", "int64", doc="the data's token at each block slot (labels = 'data')")
+_VALID = Port("valid", "anchors block", "bool")
+
+
+def _loss_inputs(params: Mapping[str, Any], n: int = 0) -> tuple[Port, ...]:
+    logits = Port("logits", "anchors block vocab", "float")
+    if _labels_of(params) == "data":
+        return logits, _LABELS, _VALID
+    return logits, Port("target", "anchors block vocab", "float"), _VALID
+
+
+def _fused_inputs(params: Mapping[str, Any], n: int = 0) -> tuple[Port, ...]:
+    x = Port("x", "anchors block hidden", doc="the drafter's rows, the input of its lm_head")
+    if _labels_of(params) == "data":
+        return x, _LABELS, _VALID
+    return x, Port("target_x", "anchors block hidden", "like:x", doc="the verifier's rows, the input of its lm_head"), \
+        _VALID
+
+
+_OBJECTIVE_PARAMS = (
+    Param("objective", "str", "A preset that sets kind, gamma, labels, normalize, weighting and dpace_alpha to a "
+          "reference's defaults: own (each param as given), speculators (ce on the verifier's argmax, D-PACE, over "
+          "the scored-slot count), specforge (ce on the data's next token, unweighted, over the weights' sum). The "
+          "final norm is the graph's: leave `norm` out of the drafter's shares for its own (docs/drafter.md).",
+          default="own", choices=tuple(OBJECTIVE_PRESETS)),
+    Param("labels", "str", "What a slot is scored against: verifier (its logits at the slot; the `target` input) or "
+          "data (the corpus token, input_ids[anchor + k]; the `labels` input, no verifier head).",
+          default="verifier", choices=("verifier", "data")),
+    Param("normalize", "str", "The weighted sum of slot losses is divided by: weights (the weights' sum) or count "
+          "(the number of scored slots, as speculators).", default="weights", choices=("weights", "count")),
+    Param("weighting", "str", "Per-slot weight: decay (exp(-(k-1)/gamma)), dpace (D-PACE, speculators' "
+          "dpace_loss_decay; needs kind ce) or uniform.", default="decay", choices=("decay", "dpace", "uniform")),
+    Param("dpace_alpha", "float", "D-PACE's confidence smoothing, (1 - alpha) q + alpha.", default=0.5, low=0,
+          open_low=True, high=1),
+)
+
 _LOSS = declare(OpDef(
     name="loss",
-    doc="Drafter loss against the verifier at each scored block slot, decayed by exp(-(k-1)/gamma), slot 0 "
-        "masked. Outputs the scalar loss, per-slot accuracy (drafter argmax == verifier argmax) and the "
-        "acceptance counts of greedy verification (`accepted[k]`: real anchors whose slots 1..k all hit; "
-        "tau = 1 + sum(accepted[1:]) / accepted[0]).",
-    inputs=(Port("logits", "anchors block vocab", "float"), Port("target", "anchors block vocab", "float"),
-            Port("valid", "anchors block", "bool")),
+    doc="Drafter loss at each scored block slot, slot 0 masked: against the verifier (its distribution, or its "
+        "argmax for ce) or the data's next token, weighted per slot (decay exp(-(k-1)/gamma), D-PACE or uniform) "
+        "and divided by the weights' sum or the scored-slot count (params; `objective` presets them). Outputs the "
+        "scalar loss, per-slot accuracy (drafter argmax == the label) and the acceptance counts of greedy "
+        "verification (`accepted[k]`: real anchors whose slots 1..k all hit; tau = 1 + sum(accepted[1:]) / "
+        "accepted[0]).",
+    inputs=_loss_inputs,
     outputs=(Port("loss", "", "float32"), Port("slot_acc", "block", "float32", optional=True),
              Port("accepted", "block", "float32", optional=True)),
-    params=(Param("kind", "str", "Loss: ce (cross-entropy on the verifier argmax), kl, rkl, jsd, tv.", default="kl",
-                  choices=("ce", "kl", "rkl", "jsd", "tv")),
-            Param("gamma", "float", "Per-slot decay exp(-(k-1)/gamma); above 0.", default=7.0, low=0,
-                  open_low=True, high=1e6),
+    params=(Param("kind", "str", "Loss: ce (cross-entropy on the label: the verifier's argmax or the data's "
+                  "token), kl, rkl, jsd, tv.", default="kl", choices=("ce", "kl", "rkl", "jsd", "tv")),
+            Param("gamma", "float", "Per-slot decay exp(-(k-1)/gamma) (weighting = decay); above 0.", default=7.0,
+                  low=0, open_low=True, high=1e6),
             Param("chunk", "int", "Rows of [anchors*block, vocab] scored at once, their gradient made in forward; "
                   "0: a power of two near rows / 32, at least 32 (ops/costs.loss_chunk).",
-                  default=0, low=0)),
+                  default=0, low=0),
+            *_OBJECTIVE_PARAMS),
+    example=PortsExample((("labels", "verifier"),), "labels = 'data': the input `target` is `labels` "
+                         "[anchors block] int64"),
+    bind=_objective_bind,
     traits=Traits(sink=True, pure=False,
                   fuses_heads=FusesHeads("logits", "target", "fused_head_loss", "x", "target_x",
                                          params=lambda p, rows, hidden, vocab: {
-                                             "kind": p.get("kind", "kl"), "gamma": p.get("gamma", 7.0),
+                                             **{k: p[k] for k in ("objective", *OBJECTIVE_DEFAULTS) if k in p},
                                              "chunk": costs.head_chunk(rows, hidden, vocab)})),
     cost=costs.loss,
     impl=f"{IMPL}:loss",
@@ -333,18 +431,21 @@ declare(OpDef(
     name="fused_head_loss",
     doc="The loss op on lm_head(x) (the drafter) and lm_head(target_x) (the verifier) with one shared W, computed "
         "`chunk` rows at a time: neither [anchors*block, vocab] logits tensor is ever made, in forward or backward. "
-        "The gradient with respect to x is made chunk by chunk in forward and kept ([rows, hidden]); backward "
-        "recomputes nothing. Same outputs as the loss op. Made by the rule fuse_heads_into_loss.",
-    inputs=(Port("x", "anchors block hidden", doc="the drafter's rows, the input of its lm_head"),
-            Port("target_x", "anchors block hidden", "like:x", doc="the verifier's rows, the input of its lm_head"),
-            _LOSS.inputs[2]),
+        "ce against the verifier takes only its argmax (no log-softmax over its rows); labels = 'data' reads the "
+        "`labels` input and makes no verifier head at all. The gradient with respect to x is made chunk by chunk "
+        "in forward and kept ([rows, hidden]); backward recomputes nothing. Same outputs as the loss op. Made by "
+        "the rule fuse_heads_into_loss.",
+    inputs=_fused_inputs,
     outputs=_LOSS.outputs,
     params=(_LOSS.param("kind"), _LOSS.param("gamma"),
             Param("chunk", "int", "Rows per chunk; 0: Liger's rule, [chunk, vocab] about the size of [rows, hidden] "
-                  "(ops/costs.head_chunk). The rule writes the value it chose.", default=0, shown=True)),
+                  "(ops/costs.head_chunk). The rule writes the value it chose.", default=0, shown=True),
+            *_OBJECTIVE_PARAMS),
+    example=PortsExample((("labels", "verifier"),), "labels = 'data': the input `target_x` is `labels` "
+                         "[anchors block] int64 (no verifier head)"),
     model_arch=(*TARGET_ARCHS, "dflash"),
     components=("lm_head",),
-    bind=_lm_bind,
+    bind=_fused_bind,
     traits=Traits(sink=True, pure=False),
     cost=costs.fused_head_loss,
     impl=f"{IMPL}:fused_head_loss",

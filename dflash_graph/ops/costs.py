@@ -412,6 +412,7 @@ def loss(c: CostContext) -> NodeCost:
     v = x.sizes[-1]
     rows = x.numel // v
     chunk = min(int(c.node.params.get("chunk") or 0) or loss_chunk(rows), rows)
+    chunk = min(block_chunk(chunk, x.sizes[-2], c.node.params.get("weighting", "decay")), rows)
     width = x.nbytes // max(x.numel, 1)
     cd = max(width, 4)
     same, upcast = LOSS_CHUNK_BUFFERS[c.node.params.get("kind", "kl")]
@@ -456,11 +457,20 @@ def head_chunk(rows: int, hidden: int, vocab: int) -> int:
     return max(1, min(max(1 << (c - 1).bit_length(), MIN_CHUNK_ROWS), rows))
 
 
+def block_chunk(chunk: int, block: int, weighting: str) -> int:
+    """The chunk the loss ops use: D-PACE weighs a slot by the losses of its whole block, so its chunks hold whole
+    blocks (rounded down to a multiple of the block, at least one block); other weightings take the chunk as is."""
+    if weighting != "dpace":
+        return chunk
+    return max(block, chunk - chunk % block)
+
+
 # [chunk, vocab] buffers in the compute dtype (fp32, or fp64 for fp64 logits) that torch_impl._chunk_loss holds
 # at its peak, per kind: (inputs already in the compute dtype, inputs upcast from bf16/fp16). Measured with
 # MemTracker by tests/test_fused_head_loss.py::test_memory_formula; chunk_grad and the argmax of chunk_hits, which
-# run after it, hold fewer. kl: log_softmax of each side, exp, difference, product; jsd adds the mixture.
-LOSS_CHUNK_BUFFERS = {"ce": (2, 3), "kl": (5, 5), "rkl": (5, 5), "jsd": (6, 6), "tv": (5, 5)}
+# run after it, hold fewer. kl: log_softmax of each side, exp, difference, product; jsd adds the mixture; ce: the
+# drafter's log_softmax only (the label is the verifier's argmax on its raw logits, or the data's token).
+LOSS_CHUNK_BUFFERS = {"ce": (1, 2), "kl": (5, 5), "rkl": (5, 5), "jsd": (6, 6), "tv": (5, 5)}
 
 
 def fused_head_loss(c: CostContext) -> NodeCost:
@@ -479,14 +489,15 @@ def fused_head_loss(c: CostContext) -> NodeCost:
     v = c.model_dims.vocab_size
     kind = c.node.params.get("kind", "kl")
     chunk = int(c.node.params.get("chunk") or 0) or head_chunk(rows, h, v)
-    chunk = min(chunk, rows)
+    chunk = min(block_chunk(min(chunk, rows), x.sizes[-2], c.node.params.get("weighting", "decay")), rows)
     cd = max(c.dtype_bytes, 4)
     same, upcast = LOSS_CHUNK_BUFFERS[kind]
     n = same if c.dtype_bytes >= 4 else upcast
-    logits = 2 * chunk * v * c.dtype_bytes
+    heads = 1 if "labels" in c.inputs else 2     # labels = 'data': the drafter's head only, no verifier rows
+    logits = heads * chunk * v * c.dtype_bytes
     per_row = rows * cd + rows          # losses and hits
     program = (("alloc", "rows", per_row), ("alloc", "chunk", logits + n * chunk * v * cd), ("free", "chunk", 0),
                *(("alloc", f"out:{k}", t.nbytes) for k, t in c.outputs.items()), ("free", "rows", 0))
     gemm = 2 * rows * h * v
-    return NodeCost(saved_bytes=x.nbytes if c.grad else 0, flops=2 * gemm + 12 * rows * v,
+    return NodeCost(saved_bytes=x.nbytes if c.grad else 0, flops=heads * gemm + 12 * rows * v,
                     program=program)

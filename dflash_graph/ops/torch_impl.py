@@ -131,12 +131,15 @@ def _up(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _chunk_loss(kind: str, s: Tensor, t: Tensor) -> Tensor:
-    """Per-row divergence of student logits `s` from target logits `t`, [rows, V] -> [rows], in fp32."""
+def _chunk_loss(kind: str, s: Tensor, t: Tensor | None = None, y: Tensor | None = None) -> Tensor:
+    """Per-row divergence of student logits `s` from target logits `t`, [rows, V] -> [rows], in fp32. ce scores
+    the labels `y` [rows] when given (the data's next token), else the verifier's argmax, taken on its raw logits:
+    ce never makes a log-softmax over the verifier's rows."""
     ls = F.log_softmax(_up(s), dim=-1)
+    if kind == "ce":   # cross-entropy on the labels: the verifier's argmax or the data's tokens
+        y = t.argmax(-1) if y is None else y
+        return -ls.gather(-1, y[:, None]).squeeze(-1)
     lt = F.log_softmax(_up(t), dim=-1)
-    if kind == "ce":   # cross-entropy on the verifier's argmax
-        return -ls.gather(-1, lt.argmax(-1, keepdim=True)).squeeze(-1)
     if kind == "kl":   # KL(p_t || p_s)
         return (lt.exp() * (lt - ls)).sum(-1)
     if kind == "rkl":  # KL(p_s || p_t)
@@ -162,22 +165,72 @@ def acceptance_counts(hit: Tensor, valid: Tensor) -> Tensor:
     return run.sum(0).to(torch.float32)
 
 
-def row_weights(block: int, gamma: float, valid: Tensor) -> Tensor:
-    """The weight of each block slot of each anchor, [A, B]: the slot decay, zero for slot 0 and for slots that
-    are not scored (`valid` [A, B]: a real anchor's slots inside its loss span)."""
-    return slot_weights(block, gamma, valid.device)[None, :] * valid.to(torch.bool).float()
+# -- the objective (ops/catalog.py resolve_objective: labels, normalisation, per-slot weighting) ------------------
+
+def objective(params) -> Objective:
+    from .catalog import resolve_objective
+
+    return Objective(**resolve_objective(params))
 
 
-def weighted_total(rows: Tensor, w: Tensor) -> Tensor:
-    """The loss: per-row losses [A, B] averaged with the row weights (0 when every row is masked)."""
-    return (rows * w).sum() / w.sum().clamp_min(1e-9)
+class Objective:
+    """The loss node's objective, resolved from its params and preset (ops/catalog.py resolve_objective)."""
+
+    def __init__(self, kind: str, gamma: float, labels: str, normalize: str, weighting: str, dpace_alpha: float):
+        self.kind, self.gamma, self.labels = kind, float(gamma), labels
+        self.normalize, self.weighting, self.dpace_alpha = normalize, weighting, float(dpace_alpha)
 
 
-def chunk_hits(s: Tensor, t: Tensor) -> Tensor:
-    """Per row of a chunk: the drafter's argmax equals the verifier's. Per chunk: an argmax over bf16 on CPU
-    upcasts its whole input."""
+def scored_slots(valid: Tensor) -> Tensor:
+    """bool [A, B]: the slots the loss scores, a real anchor's slots 1.. inside its loss span (slot 0 is the
+    anchor itself, never scored)."""
+    m = valid.to(torch.bool).clone()
+    m[:, 0] = False
+    return m
+
+
+def row_weights(block: int, gamma: float, valid: Tensor, weighting: str = "decay") -> Tensor:
+    """The weight of each block slot of each anchor, [A, B], a new tensor: zero for slot 0 and for slots that are
+    not scored (`valid` [A, B]), else exp(-(k-1)/gamma) (decay) or 1 (uniform, and dpace, whose per-block factor
+    (dpace_weights) multiplies it once the slot losses are known)."""
+    m = scored_slots(valid).float()
+    if weighting == "decay":
+        return slot_weights(block, gamma, valid.device)[None, :] * m
+    return m
+
+
+def dpace_weights(ce: Tensor, mask: Tensor, alpha: float) -> Tensor:
+    """D-PACE's per-slot weights [a, B] from the slots' cross-entropies `ce` [a, B] and the scored slots `mask`
+    [a, B] (float), no gradient: q = exp(-ce) the drafter's probability of the label, smoothed to
+    (1 - alpha) q + alpha (1 at unscored slots), prefix products along the block, and the weight of slot k the sum
+    of the prefix products of the scored slots k.. (vllm-project/speculators `src/speculators/losses/utils.py`
+    `dpace_loss_decay`, SpecForge `algorithms/common/dflash_family_model.py` `OnlineDFlashModel._dpace_weight`)."""
     with torch.no_grad():
-        return s.argmax(-1) == t.argmax(-1)
+        q = torch.exp(-(ce * mask)).float()
+        smooth = (1.0 - alpha) * q + alpha
+        smooth = torch.where(mask > 0, smooth, torch.ones_like(smooth))
+        prefix = torch.cumprod(smooth, dim=-1)
+        w = torch.flip(torch.cumsum(torch.flip(prefix * mask, dims=[-1]), dim=-1), dims=[-1])
+        return w * mask
+
+
+def denominator(w: Tensor, mask: Tensor, normalize: str) -> Tensor:
+    """What the weighted sum of the slot losses is divided by: the sum of the weights, or the number of scored
+    slots (speculators `losses/utils.py` `loss_function`); 1e-9 when nothing is scored."""
+    d = w.sum() if normalize == "weights" else mask.sum().to(w.dtype)
+    return d.clamp_min(1e-9)
+
+
+def weighted_total(rows: Tensor, w: Tensor, denom: Tensor | None = None) -> Tensor:
+    """The loss: per-row losses [A, B] weighted by the row weights, over `denom` (default: the weights' sum)."""
+    return (rows * w).sum() / (w.sum().clamp_min(1e-9) if denom is None else denom)
+
+
+def chunk_hits(s: Tensor, t: Tensor | None, y: Tensor | None = None) -> Tensor:
+    """Per row of a chunk: the drafter's argmax equals the label (`y`) or the verifier's argmax. Per chunk: an
+    argmax over bf16 on CPU upcasts its whole input."""
+    with torch.no_grad():
+        return s.argmax(-1) == (t.argmax(-1) if y is None else y)
 
 
 def loss_metrics(hit: Tensor, valid: Tensor) -> dict[str, Tensor]:
@@ -192,42 +245,45 @@ def loss_metrics(hit: Tensor, valid: Tensor) -> dict[str, Tensor]:
     return {"slot_acc": acc, "accepted": accepted}
 
 
-def loss(c, logits, target, valid):
-    """Decayed per-slot loss over scored slots (`valid` [A, B]), computed `chunk` rows at a time (0: the memory
+def loss(c, logits, target=None, valid=None, labels=None):
+    """The objective's loss over scored slots (`valid` [A, B]), computed `chunk` rows at a time (0: the memory
     model's default, ops/costs.loss_chunk), so only one chunk's [chunk, vocab] fp32 temporaries ever exist. When
     autograd records it, the gradient with respect to the logits is made chunk by chunk in forward (chunk_grad)
     and kept, in the logits' dtype; neither the logits nor the target are saved, so both die after forward, and
     backward recomputes nothing. Also per-slot accuracy and the acceptance counts of greedy verification
     (`acceptance_counts`)."""
-    from .costs import loss_chunk
+    from .costs import block_chunk, loss_chunk
 
+    obj = objective(c.params)
     a, b, v = logits.shape
-    kind = c.params["kind"]
     chunk = max(1, min(int(c.params.get("chunk") or 0) or loss_chunk(a * b), a * b))
-    w = row_weights(b, c.params["gamma"], valid)   # [A, B]
-    s2, t2 = logits.reshape(a * b, v), target.detach().reshape(a * b, v)
+    chunk = block_chunk(chunk, b, obj.weighting)
+    w = row_weights(b, obj.gamma, valid, obj.weighting)   # [A, B]
+    mask = scored_slots(valid)
+    s2 = logits.reshape(a * b, v)
+    t2 = None if target is None else target.detach().reshape(a * b, v)
+    y = None if labels is None else labels.reshape(-1)
+    args = (t2, y, w.reshape(-1), mask.reshape(-1), obj, b, chunk)
     if torch.is_grad_enabled() and logits.requires_grad:
-        total, hit = _ChunkedLoss.apply(s2, t2, w.reshape(-1), kind, chunk, (a, b))
+        total, hit = _ChunkedLoss.apply(s2, *args)
     else:
-        rows, hit, _ = loss_chunks(s2, t2, w.reshape(-1), kind, chunk, False)
-        total = weighted_total(rows.view(a, b), w)
+        rows, hit, _, denom = loss_chunks(s2, *args, False)
+        total = weighted_total(rows.view(a, b), w, denom)
     return {"loss": total, **loss_metrics(hit.view(a, b), valid)}
 
 
 # -- the verifier head, the drafter head and the loss in one chunked node ----------------------------------------
 
-def chunk_grad(kind: str, s: Tensor, t: Tensor) -> Tensor:
-    """d _chunk_loss(kind, s, t)[r] / d s[r], [rows, V], in at least fp32: the closed forms of the loss op's
+def chunk_grad(kind: str, s: Tensor, t: Tensor | None, y: Tensor | None = None) -> Tensor:
+    """d _chunk_loss(kind, s, t, y)[r] / d s[r], [rows, V], in at least fp32: the closed forms of the loss op's
     divergences (tests/test_fused_head_loss.py checks them against autograd of _chunk_loss). With p = softmax(s)
-    and q = softmax(t): ce p - onehot(argmax t); kl p - q; for rkl, jsd, tv the derivative d in p of the
+    and q = softmax(t): ce p - onehot(label); kl p - q; for rkl, jsd, tv the derivative d in p of the
     divergence, through the softmax: p * (d - <p, d>), with d = log p - log q (rkl), (log p - log m) / 2 with
     m = (p + q) / 2 (jsd), sign(p - q) / 2 (tv). At most four [rows, V] buffers at once (plus an fp32 copy of a
     low-precision input while it is normalised)."""
     ls = F.log_softmax(_up(s), dim=-1)
     if kind == "ce":
-        p = ls.exp_()
-        return p.scatter_add_(-1, t.argmax(-1, keepdim=True),
-                              torch.full((p.shape[0], 1), -1.0, device=p.device, dtype=p.dtype))
+        return _ce_grad(ls, t.argmax(-1) if y is None else y)
     lt = F.log_softmax(_up(t), dim=-1)
     if kind == "kl":
         return ls.exp_().sub_(lt.exp_())
@@ -247,39 +303,69 @@ def chunk_grad(kind: str, s: Tensor, t: Tensor) -> Tensor:
     return d.mul_(p)
 
 
-def _score_chunk(kind: str, s: Tensor, t: Tensor, rows: Tensor, hit: Tensor, wn: Tensor | None) -> Tensor | None:
-    """One chunk of the loss: its per-row losses and hits written into `rows` and `hit` (views of the whole), and,
-    when `wn` (the chunk's rows' d loss / d row) is given, the gradient of the loss with respect to `s` in fp32
-    (or fp64), [chunk, V]. The loss op and the fused op both score their chunks here."""
-    rows.copy_(_chunk_loss(kind, s, t))
+def _ce_grad(ls: Tensor, y: Tensor) -> Tensor:
+    """softmax - onehot(y), in place of the log-softmax `ls`."""
+    p = ls.exp_()
+    return p.scatter_add_(-1, y[:, None], torch.full((p.shape[0], 1), -1.0, device=p.device, dtype=p.dtype))
+
+
+def _score_chunk(obj: Objective, block: int, s: Tensor, t: Tensor | None, y: Tensor | None, mask: Tensor,
+                 w: Tensor, rows: Tensor, hit: Tensor, scale: Tensor | None) -> Tensor | None:
+    """One chunk of the loss: its per-row losses and hits written into `rows` and `hit` (views of the whole); for
+    D-PACE the chunk's weights `w` (a view; the chunk holds whole blocks) multiplied by the blocks' D-PACE
+    factor; and, when `scale` (1 / the denominator, or 1 when it is known only at the end) is given, the gradient
+    of the loss with respect to `s` in fp32 (or fp64), [chunk, V]. ce takes the labels or the verifier's argmax
+    and makes one log-softmax, over the drafter's rows only. The loss op and the fused op both score here."""
+    if obj.kind == "ce":
+        y = t.argmax(-1) if y is None else y       # the verifier's argmax: no log-softmax over its rows
+        ls = F.log_softmax(_up(s), dim=-1)
+        rows.copy_(-ls.gather(-1, y[:, None]).squeeze(-1))
+        hit.copy_(chunk_hits(s, None, y))
+        if obj.weighting == "dpace":
+            w.mul_(dpace_weights(rows.view(-1, block), mask.view(-1, block).to(rows.dtype),
+                                 obj.dpace_alpha).view(-1).to(w.dtype))
+        if scale is None:
+            return None
+        return _ce_grad(ls, y).mul_((w.to(rows.dtype) / scale.to(rows.dtype))[:, None])
+    rows.copy_(_chunk_loss(obj.kind, s, t))
     hit.copy_(chunk_hits(s, t))
-    if wn is None:
+    if scale is None:
         return None
-    return chunk_grad(kind, s, t).mul_(wn[:, None].to(rows.dtype))
+    return chunk_grad(obj.kind, s, t).mul_((w.to(rows.dtype) / scale.to(rows.dtype))[:, None])
 
 
-def _row_grads(w: Tensor, dtype: torch.dtype) -> Tensor:
-    """d weighted_total / d rows, as autograd makes it: the row weights over their sum."""
-    return w.to(dtype) / w.sum().clamp_min(1e-9)
+def _scales(w: Tensor, mask: Tensor, obj: Objective, grad: bool) -> tuple[Tensor | None, bool]:
+    """What each chunk's gradient is divided by (the denominator when it is known before the chunks, as it is
+    unless D-PACE weights are normalised by their own sum; else 1) and whether it is divided at the end instead."""
+    if not grad:
+        return None, False
+    late = obj.weighting == "dpace" and obj.normalize == "weights"
+    return (torch.ones((), device=w.device) if late else denominator(w, mask, obj.normalize)), late
 
 
-def loss_chunks(s: Tensor, t: Tensor, w: Tensor, kind: str, chunk: int, grad: bool):
-    """The loss op's work on logits s, t [R, V] with row weights w [R], `chunk` rows at a time: the per-row
-    losses [R], the per-row hits [R] and, when asked, the gradient of the weighted mean with respect to s
-    ([R, V] in s's dtype, written chunk by chunk)."""
+def loss_chunks(s: Tensor, t: Tensor | None, y: Tensor | None, w: Tensor, mask: Tensor, obj: Objective,
+                block: int, chunk: int, grad: bool):
+    """The loss op's work on logits s [R, V] against the verifier's t [R, V] or the labels y [R], with row weights
+    w [R] (D-PACE: filled in here) and scored slots mask [R], `chunk` rows at a time: the per-row losses [R], the
+    per-row hits [R], when asked the gradient of the loss with respect to s ([R, V] in s's dtype, written chunk
+    by chunk), and the denominator."""
     r = s.shape[0]
     rows = torch.empty(r, dtype=torch.promote_types(s.dtype, torch.float32), device=s.device)
     hit = torch.empty(r, dtype=torch.bool, device=s.device)
     gs = torch.empty_like(s) if grad else None
-    wn = _row_grads(w, rows.dtype) if grad else None
+    scale, late = _scales(w, mask, obj, grad)
     with torch.no_grad():
         for i in range(0, r, chunk):
             j = slice(i, i + chunk)
-            ds = _score_chunk(kind, s[j], t[j], rows[j], hit[j], None if wn is None else wn[j])
+            ds = _score_chunk(obj, block, s[j], None if t is None else t[j], None if y is None else y[j], mask[j],
+                              w[j], rows[j], hit[j], scale)
             if ds is not None:
                 gs[j].copy_(ds)
                 del ds
-    return rows, hit, gs
+        denom = denominator(w, mask, obj.normalize)
+        if late:
+            gs.div_(denom.to(gs.dtype))
+    return rows, hit, gs, denom
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -287,24 +373,25 @@ class _ChunkedLoss(torch.autograd.Function):
     forward and kept; the logits and the target are not saved. Backward only scales the kept gradient."""
 
     @staticmethod
-    def forward(ctx, s, t, w, kind, chunk, shape):
-        rows, hit, gs = loss_chunks(s, t, w, kind, chunk, True)
+    def forward(ctx, s, t, y, w, mask, obj, block, chunk):
+        rows, hit, gs, denom = loss_chunks(s, t, y, w, mask, obj, block, chunk, True)
         ctx.save_for_backward(gs)       # freed by autograd after backward (kept only under retain_graph)
         ctx.mark_non_differentiable(hit)
-        return weighted_total(rows.view(shape), w.view(shape)), hit
+        return weighted_total(rows, w, denom), hit
 
     @staticmethod
     def backward(ctx, g, _hit):
         (gs,) = ctx.saved_tensors
-        return gs * g.to(gs.dtype), None, None, None, None, None
+        return gs * g.to(gs.dtype), None, None, None, None, None, None, None
 
 
-def head_loss_chunks(x: Tensor, tx: Tensor, weight: Tensor, w: Tensor, kind: str, chunk: int,
-                     grad_x: bool, grad_w: bool):
-    """The loss of student logits x @ W.T against target logits tx @ W.T, `chunk` rows at a time, without ever
-    holding more than one chunk of either: x, tx [R, H], W [V, H], row weights w [R]. Returns the per-row losses
-    [R], the per-row hits [R] and, when asked, the gradient of the weighted mean (weighted_total) with respect
-    to x ([R, H], in x's dtype) and to W ([V, H], accumulated per chunk in at least fp32). Each chunk's logits
+def head_loss_chunks(x: Tensor, tx: Tensor | None, y: Tensor | None, weight: Tensor, w: Tensor, mask: Tensor,
+                     obj: Objective, block: int, chunk: int, grad_x: bool, grad_w: bool):
+    """The loss of student logits x @ W.T against target logits tx @ W.T (or the labels y [R], when the
+    objective's labels are the data: no verifier head at all), `chunk` rows at a time, without ever holding more
+    than one chunk of either: x, tx [R, H], W [V, H], row weights w [R], scored slots mask [R]. Returns the
+    per-row losses [R], the per-row hits [R], when asked the gradient of the loss with respect to x ([R, H], in
+    x's dtype) and to W ([V, H], accumulated per chunk in at least fp32), and the denominator. Each chunk's logits
     are made as lm_head makes them (F.linear in the weight's dtype), so values and rounding are the unfused
     graph's."""
     r = x.shape[0]
@@ -313,15 +400,19 @@ def head_loss_chunks(x: Tensor, tx: Tensor, weight: Tensor, w: Tensor, kind: str
     gx = torch.empty_like(x) if grad_x else None
     gw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                      device=weight.device) if grad_w else None
-    wn = _row_grads(w, rows.dtype) if grad_x or grad_w else None
+    scale, late = _scales(w, mask, obj, grad_x or grad_w)
     with torch.no_grad():
         for i in range(0, r, chunk):
             j = slice(i, i + chunk)
             xi = x[j]
             c = xi.shape[0]
-            st = F.linear(torch.cat([xi, tx[j]]), weight)   # [2c, V]: one GEMM reads W once for both heads
-            s, t = st[:c], st[c:]                       # the drafter's logits for these rows, the verifier's
-            ds = _score_chunk(kind, s, t, rows[j], hit[j], None if wn is None else wn[j])
+            if tx is None:
+                st = F.linear(xi, weight)               # [c, V]: the drafter's logits only
+                s, t = st, None
+            else:
+                st = F.linear(torch.cat([xi, tx[j]]), weight)   # [2c, V]: one GEMM reads W once for both heads
+                s, t = st[:c], st[c:]                   # the drafter's logits for these rows, the verifier's
+            ds = _score_chunk(obj, block, s, t, None if y is None else y[j], mask[j], w[j], rows[j], hit[j], scale)
             del t
             if ds is not None:
                 ds = ds.to(s.dtype)                     # as the loss op's backward hands it to lm_head's
@@ -333,20 +424,26 @@ def head_loss_chunks(x: Tensor, tx: Tensor, weight: Tensor, w: Tensor, kind: str
                 del ds
             else:
                 del s, st
-    return rows, hit, gx, gw
+        denom = denominator(w, mask, obj.normalize)
+        if late:
+            for g_ in (gx, gw):
+                if g_ is not None:
+                    g_.div_(denom.to(g_.dtype))
+    return rows, hit, gx, gw, denom
 
 
 class _FusedHeadLoss(torch.autograd.Function):
-    """The weighted loss of the drafter's rows against the verifier's with both heads' logits made chunk by chunk
-    (head_loss_chunks). The gradient is computed in forward, one chunk at a time, and kept ([R, H], and [V, H]
-    for a trainable W): backward only scales it, nothing is recomputed and no logits are stored."""
+    """The weighted loss of the drafter's rows against the verifier's (or the data's labels) with the heads'
+    logits made chunk by chunk (head_loss_chunks). The gradient is computed in forward, one chunk at a time, and
+    kept ([R, H], and [V, H] for a trainable W): backward only scales it, nothing is recomputed and no logits are
+    stored."""
 
     @staticmethod
-    def forward(ctx, x, tx, weight, w, kind, chunk, shape):
-        rows, hit, gx, gw = head_loss_chunks(x, tx, weight, w, kind, chunk, ctx.needs_input_grad[0],
-                                             ctx.needs_input_grad[2])
+    def forward(ctx, x, tx, y, weight, w, mask, obj, block, chunk):
+        rows, hit, gx, gw, denom = head_loss_chunks(x, tx, y, weight, w, mask, obj, block, chunk,
+                                                    ctx.needs_input_grad[0], ctx.needs_input_grad[3])
         ctx.save_for_backward(gx, gw)   # freed by autograd after backward (kept only under retain_graph)
-        total = weighted_total(rows.view(shape), w.view(shape))
+        total = weighted_total(rows, w, denom)
         ctx.mark_non_differentiable(hit)
         return total, hit
 
@@ -355,26 +452,31 @@ class _FusedHeadLoss(torch.autograd.Function):
         gx, gw = ctx.saved_tensors
         gx = None if gx is None else gx * g.to(gx.dtype)
         gw = None if gw is None else (gw * g).to(gw.dtype)
-        return gx, None, gw, None, None, None, None
+        return gx, None, None, gw, None, None, None, None, None
 
 
-def fused_head_loss(c, x, target_x, valid):
-    """The loss op on lm_head(x) and lm_head(target_x), with one shared W, never making either [rows, vocab]
-    logits tensor (ops/catalog.py fused_head_loss; the rule fuse_heads_into_loss makes it)."""
-    from .costs import head_chunk
+def fused_head_loss(c, x, target_x=None, valid=None, labels=None):
+    """The loss op on lm_head(x) and lm_head(target_x) (or the data's labels), with one shared W, never making a
+    [rows, vocab] logits tensor (ops/catalog.py fused_head_loss; the rule fuse_heads_into_loss makes it)."""
+    from .costs import block_chunk, head_chunk
 
     head = c.module("lm_head")
     if head.bias is not None:
         raise ValueError("fused_head_loss: the lm_head has a bias; the fused op computes x @ W.T only")
     weight = head.weight
+    obj = objective(c.params)
     a, b, h = x.shape
-    kind = c.params["kind"]
     chunk = int(c.params.get("chunk") or 0) or head_chunk(a * b, h, weight.shape[0])
-    w = row_weights(b, c.params["gamma"], valid)
-    x2, t2 = x.reshape(a * b, h), target_x.detach().reshape(a * b, h)
+    chunk = block_chunk(min(chunk, a * b), b, obj.weighting)
+    w = row_weights(b, obj.gamma, valid, obj.weighting)
+    mask = scored_slots(valid)
+    x2 = x.reshape(a * b, h)
+    t2 = None if target_x is None else target_x.detach().reshape(a * b, h)
+    y = None if labels is None else labels.reshape(-1)
+    args = (w.reshape(-1), mask.reshape(-1), obj, b, chunk)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        total, hit = _FusedHeadLoss.apply(x2, t2, weight, w.reshape(-1), kind, chunk, (a, b))
+        total, hit = _FusedHeadLoss.apply(x2, t2, y, weight, *args)
     else:
-        rows, hit, _, _ = head_loss_chunks(x2, t2, weight, w.reshape(-1), kind, chunk, False, False)
-        total = weighted_total(rows.view(a, b), w)
+        rows, hit, _, _, denom = head_loss_chunks(x2, t2, y, weight, *args, False, False)
+        total = weighted_total(rows.view(a, b), w, denom)
     return {"loss": total, **loss_metrics(hit.view(a, b), valid)}

@@ -311,7 +311,10 @@ def _fuse_heads(typed: Typed, node: Node) -> Replacement | None:
     if fuse is None:
         return None
     heads = []
+    given = dict(node.inputs)
     for port in (fuse.student, fuse.target):
+        if port not in given:       # no verifier rows (labels from the data): the student's head alone is fused
+            continue
         ref = node.input(port)
         head = typed.graph[ref.node]
         lin = _op(head).traits.linear_head
@@ -319,7 +322,7 @@ def _fuse_heads(typed: Typed, node: Node) -> Replacement | None:
         if lin is None or ref.output != lin.output or head.model is None or not _sole_consumer(typed, ref, node.id):
             return None
         heads.append((head, lin))
-    (sh, sl), (th, tl) = heads
+    (sh, sl), (th, tl) = heads if len(heads) == 2 else (heads[0], heads[0])
     models = typed.ctx.models
     # one weight: both heads project with the same component of the same model (the drafter shares the target's
     # lm_head), so one W serves the teacher and the student inside one chunk loop
@@ -334,12 +337,14 @@ def _fuse_heads(typed: Typed, node: Node) -> Replacement | None:
     rows = xt.numel // hidden
     params = dict(fuse.params(node.params, rows, hidden, vocab)) if fuse.params else {}
     passed = {p: r for p, r in node.inputs if p not in (fuse.student, fuse.target)}
-    inputs = {**passed, fuse.student_input: x, fuse.target_input: tx}
+    inputs = {**passed, fuse.student_input: x, **({fuse.target_input: tx} if th is not sh else {})}
     order = [p.name for p in into.input_ports(params, len(inputs))]
     fused = Node(node.id, into.name, tuple((p, inputs[p]) for p in order), params, node.device, sh.model,
                  spec_index=node.spec_index,
-                 note=f"fuse_heads_into_loss: {sh.id} and {th.id} (one {sl.component} weight) computed inside {node.id}")
-    return Replacement(remove=(sh.id, th.id, node.id), add=(fused,), touched=(node.id, sh.id, th.id))
+                 note=f"fuse_heads_into_loss: {sh.id} and {th.id} (one {sl.component} weight) computed inside {node.id}"
+                 if th is not sh else f"fuse_heads_into_loss: {sh.id} computed inside {node.id}")
+    return Replacement(remove=tuple(dict.fromkeys((sh.id, th.id, node.id))), add=(fused,),
+                       touched=tuple(dict.fromkeys((node.id, sh.id, th.id))))
 
 
 FUSE_HEADS = Rule("fuse_heads_into_loss", "Traits.fuses_heads + Traits.linear_head",
