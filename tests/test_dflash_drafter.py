@@ -250,15 +250,19 @@ def test_output_shape_and_parameters():
         dict(hidden_size=48, target_hidden_size=48, num_attention_heads=6, num_key_value_heads=1),
     ],
 )
-def test_component_params_match_module(over):
+@pytest.mark.parametrize("own_norm", [False, True])
+def test_component_params_match_module(over, own_norm):
+    """component_params counts the drafter's own final norm; a drafter that shares the target's has none."""
     d = dims(**over)
-    model = DFlashDrafter(d, nn.Embedding(d.vocab_size, d.hidden_size))
+    model = DFlashDrafter(d, nn.Embedding(d.vocab_size, d.hidden_size), own_norm=own_norm)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     parts = component_params(d)
-    assert sum(parts.values()) == trainable
+    assert sum(v for k, v in parts.items() if own_norm or k != "norm") == trainable
     assert parts["fc"] == model.fc.weight.numel()
     assert parts["hidden_norm"] == model.hidden_norm.weight.numel()
     assert parts["layers"] == sum(p.numel() for p in model.layers.parameters())
+    if own_norm:
+        assert parts["norm"] == model.norm.weight.numel() and bool((model.norm.weight == 1).all())
 
 
 def test_causality_through_module():

@@ -126,7 +126,8 @@ class ModelStore:
         if ARCHS[oinfo.spec.arch].target:
             return self._target_part(owner, ocomp, tdev)
         if ARCHS[oinfo.spec.arch].trains:
-            return self.drafter(owner, tdev)
+            d = self.drafter(owner, tdev)
+            return d.norm if ocomp == "norm" else d     # the drafter's own final norm, where it has one
         raise KeyError(comp)
 
     def drafter(self, model: str, tdev: str) -> nn.Module:
@@ -138,7 +139,8 @@ class ModelStore:
             torch.manual_seed(self.seed + 1)
             # NOTE [Trainable memory] (analysis/memory.py): the module computes in the model dtype; the trainer
             # keeps fp32 masters for AdamW when that dtype is not float32.
-            d = DFlashDrafter(info.dims, embed, dtype=DTYPES[info.spec.dtype]).to(tdev)
+            d = DFlashDrafter(info.dims, embed, dtype=DTYPES[info.spec.dtype],
+                              own_norm=info.component_owner("norm") == f"{model}.norm").to(tdev)
             if info.spec.weights is not None:
                 self._load_published(model, d, tdev)
             d.train()

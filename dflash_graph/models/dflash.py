@@ -271,13 +271,17 @@ def component_params(d: DFlashDims) -> dict[str, int]:
     """Trainable parameters owned by the drafter, by component.
 
     ``fc``: Linear(n*Ht, H, bias=False); ``hidden_norm``: RMSNorm(H);
-    ``layers``: ``num_hidden_layers * layer_params(d)``. The embedding, final
-    norm and lm_head are the target's (shared, frozen) and are not counted.
+    ``layers``: ``num_hidden_layers * layer_params(d)``; ``norm``: RMSNorm(H),
+    the drafter's own final norm, which exists only where the drafter's
+    ``shares`` leave ``norm`` out (the memory model charges a component to the
+    model that owns it: a shared norm is the target's). The embedding and
+    lm_head are the target's (shared, frozen) and are not counted.
     """
     return {
         "fc": d.fc_in_features * d.hidden_size,
         "hidden_norm": d.hidden_size,
         "layers": d.num_hidden_layers * layer_params(d),
+        "norm": d.hidden_size,
     }
 
 

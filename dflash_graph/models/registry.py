@@ -120,8 +120,9 @@ ARCHS: dict[str, Arch] = {
                       hf_config="Qwen3MoeConfig", hf_causal_lm="Qwen3MoeForCausalLM",
                       published_keys=frozenset({"max_window_layers"})),
     # a DFlash drafter's config.json (z-lab's, and the one `run` exports) says model_type "qwen3": its layers
-    "dflash": Arch("dflash", "dflash_graph.models.dflash", "DFlashDims", ("fc", "hidden_norm", "layers"),
-                   "DFlash block-diffusion drafter; embed, norm and lm_head come from `shares`.", trains=True,
+    "dflash": Arch("dflash", "dflash_graph.models.dflash", "DFlashDims", ("fc", "hidden_norm", "layers", "norm"),
+                   "DFlash block-diffusion drafter; embed and lm_head come from `shares`, and the final norm too "
+                   "unless the drafter trains its own.", trains=True,
                    loads_weights=True,   # a published DFlash draft checkpoint: models/published.py
                    model_types=("qwen3",), target=False, label="DFlash drafter"),
 }

@@ -37,8 +37,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def state_dict(drafter, target_norm_weight: torch.Tensor, dtype: torch.dtype, norm_plus_one: bool
                ) -> dict[str, torch.Tensor]:
     out = {export_name(k): v.detach().to("cpu", torch.float32) for k, v in drafter.state_dict().items()}
-    w = target_norm_weight.detach().to("cpu", torch.float32)
-    out["norm.weight"] = 1.0 + w if norm_plus_one else w.clone()
+    if "norm.weight" not in out:     # the drafter trains its own final norm: its weight is written as is
+        w = target_norm_weight.detach().to("cpu", torch.float32)
+        out["norm.weight"] = 1.0 + w if norm_plus_one else w.clone()
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 

@@ -397,7 +397,8 @@ class DFlashDrafter(nn.Module):
     ``embed.weight.detach()``, so no gradient reaches it even if the target's
     weight has ``requires_grad=True``.
 
-    Trainable parameters: ``fc``, ``hidden_norm`` and ``layers`` (counted by
+    Trainable parameters: ``fc``, ``hidden_norm``, ``layers`` and, with
+    ``own_norm``, the final ``norm`` (counted by
     ``dflash_graph.models.dflash.component_params``). Linear weights are drawn
     from N(0, ``init_std``) as HF's ``_init_weights`` with
     ``initializer_range=0.02`` does; norm weights start at 1.
@@ -409,6 +410,7 @@ class DFlashDrafter(nn.Module):
         embed: nn.Embedding,
         dtype: torch.dtype = torch.float32,
         init_std: float = 0.02,
+        own_norm: bool = False,
     ) -> None:
         super().__init__()
         if embed.weight.shape != (dims.vocab_size, dims.hidden_size):
@@ -421,6 +423,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(dims.fc_in_features, dims.hidden_size, bias=False, dtype=dtype)
         self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.layers = nn.ModuleList(DFlashLayer(dims, dtype) for _ in range(dims.num_hidden_layers))
+        # the drafter's own trainable final norm (both references'), weight 1; the graph's `norm` node applies it
+        # (forward returns the hidden states before it), and the export writes it as norm.weight
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype) if own_norm else None
         with torch.no_grad():
             for m in self.modules():
                 if isinstance(m, nn.Linear):
