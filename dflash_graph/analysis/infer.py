@@ -459,7 +459,7 @@ def infer(graph: Graph, ctx: GraphContext, prev: Typed | None = None) -> Typed:
     if old is not None:
         typed.cache["_reinferred"] = frozenset(reinferred)
     if prev is None:        # the graph as built; a rewrite keeps what each input holds
-        problems = _check_layer_reads(typed)
+        problems = _check_layer_reads(typed) + _check_owned_components(typed)
         if problems:
             raise GraphError(problems)
     return typed
@@ -501,6 +501,40 @@ def layer_sources(typed: Typed) -> dict[Ref, tuple[tuple[str, int], ...]]:
         for name in typed.outputs_of(node.id):
             out[Ref(node.id, name)] = src
     return out
+
+
+def _check_owned_components(typed: Typed) -> list[Problem]:
+    """A node whose op says a trainable model upstream must own a component (Traits.trains_own: a loss whose
+    objective trains the drafter's own final norm) is refused where that model shares the component instead."""
+    spec, models = typed.ctx.spec, typed.ctx.models
+    problems = []
+    nodes = {n.id: n for n in typed.graph.nodes}
+    for node in typed.graph.nodes:
+        own = registry.get(node.op).traits.trains_own
+        need = own(typed.params[node.id]) if own else {}
+        if not need:
+            continue
+        seen, stack, trained = set(), [node.id], set()
+        while stack:        # the trainable models upstream of the node
+            n = nodes[stack.pop()]
+            if n.id in seen:
+                continue
+            seen.add(n.id)
+            if n.model in models and models[n.model].spec.trainable:
+                trained.add(n.model)
+            stack += [r.node for _, r in n.inputs if r.node in nodes]
+        for name in sorted(trained):
+            for comp, why in need.items():
+                if comp in models[name].spec.shares:
+                    problems.append(Problem(
+                        f"node '{node.id}' declares {why}, but model '{name}' shares {comp} = "
+                        f"'{models[name].spec.shares[comp]}' (frozen)", spec.loc("models", name, "shares", comp),
+                        node=node.id, expected=f"model '{name}' with its own {comp} (no '{comp}' in shares)",
+                        actual=f"shares {comp} = '{models[name].spec.shares[comp]}'",
+                        hint=f"remove {comp} from models.{name}.shares (its own {comp} starts at weight 1 and "
+                             f"trains: graphs/tiny_specforge.toml), or set objective = \"own\" on node "
+                             f"'{node.id}' and choose each param"))
+    return problems
 
 
 def _check_layer_reads(typed: Typed) -> list[Problem]:
@@ -932,5 +966,10 @@ def _check_params(node: Node, op: OpDef, ctx: GraphContext, fail) -> dict[str, A
                            "params", prm.name)
         if len(set(ids)) != len(ids):
             raise fail(f"{prm.name} {ids} lists a layer twice", "params", prm.name)
+    if op.validate is not None:
+        try:
+            op.validate(out)
+        except ValueError as e:
+            raise fail(f"the params of node '{node.id}' contradict each other: {e}", "params") from None
     out["_dim_params"] = tuple(dim_params)
     return out

@@ -322,6 +322,18 @@ OBJECTIVE_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: the fourth choice of a preset: the final norm. The references' drafters train their own (speculators 0.9.0
+#: `models/dflash/core.py` DFlashDraftModel: `self.norm = Qwen3RMSNorm(...)`; SpecForge 0.2.0 DFlashDraftModel.
+#: forward returns `self.norm(hidden_states)`); a graph declares it on the drafter (`shares` without `norm`)
+OWN_NORM = {"speculators": "speculators' DFlashDraftModel trains its own final norm (models/dflash/core.py)",
+            "specforge": "SpecForge's DFlashDraftModel trains its own final norm (DFlashDraftModel.forward)"}
+
+
+def _trains_own(params: Mapping[str, Any]) -> Mapping[str, str]:
+    name = params.get("objective", "own")
+    return {"norm": f"objective = {name!r}: {OWN_NORM[name]}"} if name in OWN_NORM else {}
+
+
 def resolve_objective(params: Mapping[str, Any]) -> dict[str, Any]:
     """The loss node's objective: its params, with a preset's values where `objective` names one. A param set to
     something other than both the project's default and the preset's value is refused (ValueError, with the fix),
@@ -344,18 +356,12 @@ def resolve_objective(params: Mapping[str, Any]) -> dict[str, Any]:
 def _labels_of(params: Mapping[str, Any]) -> str:
     try:
         return resolve_objective(params)["labels"]
-    except (KeyError, ValueError):      # refused by the bind (_objective_bind), located at the params
+    except (KeyError, ValueError):      # refused by the op's validate (_check_objective), located at the params
         return params.get("labels", "verifier")
 
 
-def _objective_bind(ctx: BindContext):
-    resolve_objective(ctx.params)
-    return {}
-
-
-def _fused_bind(ctx: BindContext):
-    resolve_objective(ctx.params)
-    return _lm_bind(ctx)
+def _check_objective(params: Mapping[str, Any]) -> None:
+    resolve_objective(params)
 
 
 _LABELS = Port("labels", "anchors block", "int64", doc="the data's token at each block slot (labels = 'data')")
@@ -415,8 +421,8 @@ _LOSS = declare(OpDef(
             *_OBJECTIVE_PARAMS),
     example=PortsExample((("labels", "verifier"),), "labels = 'data': the input `target` is `labels` "
                          "[anchors block] int64"),
-    bind=_objective_bind,
-    traits=Traits(sink=True, pure=False,
+    validate=_check_objective,
+    traits=Traits(sink=True, pure=False, trains_own=_trains_own,
                   fuses_heads=FusesHeads("logits", "target", "fused_head_loss", "x", "target_x",
                                          params=lambda p, rows, hidden, vocab: {
                                              **{k: p[k] for k in ("objective", *OBJECTIVE_DEFAULTS) if k in p},
@@ -445,8 +451,9 @@ declare(OpDef(
                          "[anchors block] int64 (no verifier head)"),
     model_arch=(*TARGET_ARCHS, "dflash"),
     components=("lm_head",),
-    bind=_fused_bind,
-    traits=Traits(sink=True, pure=False),
+    bind=_lm_bind,
+    validate=_check_objective,
+    traits=Traits(sink=True, pure=False, trains_own=_trains_own),
     cost=costs.fused_head_loss,
     impl=f"{IMPL}:fused_head_loss",
 ))

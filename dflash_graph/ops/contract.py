@@ -145,6 +145,10 @@ class Traits:
     features: str | None = None
     reads_layers: ReadsLayers | None = None
     fuses_heads: FusesHeads | None = None   # a loss over two heads' logits that a fused op can compute from their inputs
+    # components a trainable model upstream of this node must own rather than share, under these params, with why:
+    # params -> {component: reason} (a loss whose objective trains the drafter's own final norm). Checked by
+    # inference against each upstream trainable model's `shares`.
+    trains_own: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = None
 
 
 @attrs.frozen
@@ -168,6 +172,9 @@ class OpDef:
     model_arch: tuple[str, ...] = ()         # archs this op accepts as `model` (empty: no model)
     components: tuple[str, ...] = ()         # model components whose weights the node uses (resident on its device)
     bind: Callable[["BindContext"], Mapping[str, tuple[sympy.Expr, int]]] | None = None
+    # params that contradict each other: params -> None, or raises ValueError with the fix (checked by inference
+    # after each param alone, located at the node's params)
+    validate: Callable[[Mapping[str, Any]], None] | None = None
     shape_fn: Callable[["BindContext", Mapping[str, Any]], Mapping[str, tuple[Dim, ...]]] | None = None
     device_rule: str = "node"                # "node": inputs and outputs on the node's device; "any_input":
                                              # its input on any device, its outputs on the node's
