@@ -12,7 +12,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash_graph.models.dflash import DFlashDims
@@ -89,20 +88,25 @@ def _load(ref: nn.Module, case) -> None:
     assert not [k for k in missing if k.split(".")[0] in ("layers", "fc", "hidden_norm", "norm")], missing
 
 
+def _layer_config(**extra):
+    """The drafter's layers as a Qwen3Config, the same for both references (and the project's DFlashDims)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       max_position_embeddings=512, **extra)
+
+
 def _speculators(case):
     core = pytest.importorskip("speculators.models.dflash.core",
                                reason="speculators not installed (the `references` extra, .ci/run)")
-    from transformers import Qwen3Config
-
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
     from speculators.models.dflash import DFlashSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     b = case.block
-    tl = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                     max_position_embeddings=512)
+    tl = _layer_config()
     tl._attn_implementation = "eager"     # its dense float mask (create_float_mask) from its own mask_mod
     cfg = DFlashSpeculatorConfig(
         transformer_layer_config=tl, draft_vocab_size=V, block_size=b, aux_hidden_state_layer_ids=list(LAYERS),
@@ -139,15 +143,11 @@ def _speculators(case):
 def _specforge(case):
     fam = pytest.importorskip("specforge.algorithms.common.dflash_family_model",
                               reason="specforge not installed (the `references` extra, .ci/run)")
-    from transformers import Qwen3Config
-
     from specforge.modeling.draft.dflash import DFlashDraftModel
 
     b = case.block
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      max_position_embeddings=512, num_target_layers=6, block_size=b,
-                      dflash_config={"target_layer_ids": list(LAYERS), "mask_token_id": 1})
+    cfg = _layer_config(num_target_layers=6, block_size=b,
+                        dflash_config={"target_layer_ids": list(LAYERS), "mask_token_id": 1})
     cfg._attn_implementation = "sdpa"
     draft = DFlashDraftModel(cfg)
     _load(draft, case)

@@ -3,6 +3,8 @@ never because of a node's id or op name. docs/rules/ has one page per rule with 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..ir.graph import Graph, Node, Ref
 from ..ops import registry
 from ..ops.catalog import INDEX_SHIFT, TRANSFER
