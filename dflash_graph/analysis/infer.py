@@ -23,7 +23,6 @@ from ..models.registry import ARCHS, foreign_keys
 from ..ops import registry
 from ..ops.contract import BindContext, ContractError, OpDef, build as build_dims, dim_of, match
 from ..spec.document import GraphSpec, ModelSpec
-from .drafter_weights import checkpoint_problems
 from .model_arch import resolve_archs
 
 
@@ -253,7 +252,10 @@ def build(spec: GraphSpec) -> tuple[Graph, GraphContext]:
             continue
         models[name] = ModelInfo(m, cfg, dims)
     problems += _check_model_links(spec, models)
-    problems += checkpoint_problems(spec, models)   # a drafter's published checkpoint against its config
+    if any(m.weights is not None and not ARCHS[m.arch].target for m in spec.models.values() if m.arch):
+        from .drafter_weights import checkpoint_problems     # only a drafter with `weights` reads a checkpoint
+
+        problems += checkpoint_problems(spec, models)   # a drafter's published checkpoint against its config
     replays = 0
     hooked = _hooked(spec)
     for ns in spec.nodes:
