@@ -78,6 +78,25 @@ def parse_rate(text: str) -> float:
     return float(m.group(1)) * _RATE_PREFIX[m.group(2)]
 
 
+_BW_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kMGT]?)(i?)B/s\s*$")
+_BW_PREFIX = {"": 0, "k": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_bandwidth(text: str) -> float:
+    """'450 GB/s' -> 4.5e11 bytes/s ('GiB/s': powers of 1024). Raises ValueError naming the accepted form."""
+    m = _BW_RE.match(str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"expected a positive link bandwidth such as '450 GB/s' or '50 GB/s', got {text!r}")
+    return float(m.group(1)) * (1024 if m.group(3) else 1000) ** _BW_PREFIX[m.group(2)]
+
+
+def fmt_bandwidth(bps: float) -> str:
+    for unit, k in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6)):
+        if bps >= k:
+            return f"{bps / k:g} {unit}"
+    return f"{bps:g} B/s"
+
+
 def fmt_seconds(s: float) -> str:
     if s >= 1:
         return f"{s:.2f} s"

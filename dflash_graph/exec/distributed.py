@@ -582,10 +582,10 @@ def check_launch(typed, launch: Launch, writers: set[int] | None = None) -> None
             f"torchrun started {world} processes, but the graph's devices map to {launch.world_size} rank(s) ({ranks})",
             spec.loc("devices"), hint=f"launch with --nproc-per-node {launch.world_size} (dflash-graph launch or "
                                       "torchrun, one machine), or declare `rank` on each device to share ranks"))
-    if len(writers) > 1:
+    if len(writers) > 1 and not any(m.parallel for m in spec.models.values()):
         problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writers)}; one rank must own "
                                 "all of them (it steps the optimizer and writes the checkpoints)", spec.loc("devices"),
-                                hint="give the drafter's devices one rank"))
+                                hint="give the drafter's devices one rank, or declare `parallel` on the trainable model"))
     grads = grad_nodes(typed)
     by_dst: dict[tuple[int, int], set[int]] = {}
     for t in launch.transfers:

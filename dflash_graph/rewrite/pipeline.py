@@ -9,6 +9,7 @@ import attrs
 from ..analysis.allocator import AllocatorConfig
 from ..analysis.infer import Typed, build, infer
 from ..analysis.memory import MemoryReport, analyze_memory, live_peaks
+from ..analysis.parallel import placement_problems
 from ..spec.loader import load_graph
 from .engine import Applied, rewrite
 from .rules import ALL_RULES, DEFAULT_TABLES
@@ -38,6 +39,11 @@ def tables_without(rules_off: Sequence[str] = ()):
 def compile_typed(typed: Typed, rewrite_graph: bool = True, expandable_segments: bool | None = None,
                   verify: bool = False, rules_off: Sequence[str] = ()) -> Plan:
     spec = typed.ctx.spec
+    problems = placement_problems(typed)   # where the trainable model sits: NOTE [Data-parallel placement]
+    if problems:
+        from ..errors import GraphError
+
+        raise GraphError(problems)
     alloc = AllocatorConfig(
         expandable_segments=spec.memory.expandable_segments if expandable_segments is None else expandable_segments,
         max_split_size_bytes=spec.memory.max_split_size)

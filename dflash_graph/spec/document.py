@@ -25,6 +25,7 @@ class DeviceSpec:
     outside_allocator: int
     rank: int | None = None
     throughput: float | None = None     # FLOP/s
+    node: int = 0                       # the machine it is on (collectives across nodes: inter_node_bandwidth)
 
 
 @attrs.frozen
@@ -32,6 +33,8 @@ class LaunchSpec:
     nccl_memory_per_peer: int = 256 * 2**20
     stall_timeout: float = 30.0
     backend: str = "auto"
+    intra_node_bandwidth: float = 450e9     # bytes/s per device for collectives within a node
+    inter_node_bandwidth: float = 50e9      # bytes/s per device for collectives across nodes
 
 
 @attrs.frozen
@@ -45,6 +48,7 @@ class ModelSpec:
     shares: Mapping[str, str]          # component -> "model.component"
     config_file: str | None = None     # where config came from, if a file
     forward: Mapping[str, Any] = attrs.field(factory=dict)   # attn_implementation/packing/linear_kernels declared
+    parallel: str | None = None        # "ddp" | "fsdp": data-parallel over its nodes' device group; None: one device
 
 
 @attrs.frozen

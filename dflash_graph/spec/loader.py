@@ -12,7 +12,7 @@ from pathlib import Path as FsPath
 from typing import Any
 
 from ..errors import GraphError, Location, Problem, did_you_mean, short
-from ..units import canonical_dtype, parse_bytes, parse_rate
+from ..units import canonical_dtype, parse_bandwidth, parse_bytes, parse_rate
 from . import schema
 from .document import DeviceSpec, GraphSpec, LaunchSpec, MemorySpec, ModelSpec, NodeSpec, frozen_map
 from .toml_lines import LineIndex, Path, render_path
@@ -203,7 +203,14 @@ class _Builder:
             self.err(("launch", "stall_timeout"), f"stall_timeout must be between 0 and 86400 seconds, got {t!r}",
                      hint="e.g. stall_timeout = 30.0")
             t = 30.0
-        return LaunchSpec(v["nccl_memory_per_peer"], float(t), v["backend"])
+        bw = {}
+        for key in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            try:
+                bw[key] = parse_bandwidth(v[key])
+            except ValueError as e:
+                self.err(("launch", key), str(e), hint=f"e.g. {key} = \"{schema.LAUNCH.key(key).default}\"")
+                bw[key] = parse_bandwidth(schema.LAUNCH.key(key).default)
+        return LaunchSpec(v["nccl_memory_per_peer"], float(t), v["backend"], **bw)
 
     def load_model_configs(self) -> None:
         """Replace `config = "file.json"` by the file's content so that --set can reach its keys."""
@@ -297,7 +304,7 @@ class _Builder:
                     self.err(("devices", name, "throughput"), str(e))
             if v.get("capacity") is not None:
                 out[name] = DeviceSpec(name, v["torch"] or "cpu", v["capacity"] or 0, v["outside_allocator"] or 0,
-                                       rank, rate)
+                                       rank, rate, int(v["node"] or 0))
         self.check_ranks(out)
         return out
 
@@ -356,8 +363,14 @@ class _Builder:
                              f"'{name}' itself", hint="a model shares components of another model, e.g. \"target.embed\"")
                     del shares[comp]
             fwd = {k: v.get(k) for k in ("attn_implementation", "packing", "linear_kernels") if v.get(k) is not None}
+            if v.get("parallel") is not None and not v["trainable"]:
+                self.err(("models", name, "parallel"), f"model '{name}' declares parallel = {v['parallel']!r} but "
+                         "is not trainable: only a trained model has gradients to reduce across replicas",
+                         expected="trainable = true", actual="trainable = false",
+                         hint=f"remove parallel from [models.{name}] (a frozen model on a group is already one "
+                              "replica per device), or set trainable = true")
             out[name] = ModelSpec(name, v["arch"], frozen_map(v["config"]), dtype, bool(v["trainable"]), v["weights"],
-                                  frozen_map(shares), cfg_file, frozen_map(fwd))
+                                  frozen_map(shares), cfg_file, frozen_map(fwd), v.get("parallel"))
         for name, m in out.items():
             for comp, target in m.shares.items():
                 other = target.split(".")[0]

@@ -67,6 +67,9 @@ DEVICE = Section("devices.<name>", "A physical device. The name is what nodes an
     Key("throughput", "str", "Sustained compute of this device, e.g. \"400 TFLOP/s\": check predicts each "
         "device's busy time per step from the ops' FLOPs and names the bottleneck. Say where the figure comes from "
         "in a comment."),
+    Key("node", "int", "The machine (torchrun node) this device is on: collectives between devices of one node run "
+        "at [launch] intra_node_bandwidth, across nodes at inter_node_bandwidth. Absent: 0 (one machine).",
+        default=0, low=0, high=10**6),
 ))
 
 LAUNCH = Section("launch", "How `torchrun -m dflash_graph run` runs the graph, one process per rank "
@@ -78,6 +81,13 @@ LAUNCH = Section("launch", "How `torchrun -m dflash_graph run` runs the graph, o
         "and stops the run.", default=30.0),
     Key("backend", "str", "torch.distributed backend: `auto` picks nccl when every device is CUDA, gloo when "
         "every device is a CPU.", default="auto", choices=("auto", "gloo", "nccl")),
+    Key("intra_node_bandwidth", "str", "Link bandwidth per device for collectives between devices of one node, "
+        "e.g. \"450 GB/s\": check times a data-parallel model's all-reduce (DDP) or all-gather and reduce-scatter "
+        "(FSDP) with it (docs/distributed.md, \"Layouts\"). The default is NVLink 4's 450 GB/s per direction "
+        "(H100/H200 SXM: 900 GB/s bidirectional): a declared figure, not measured.", default="450 GB/s"),
+    Key("inter_node_bandwidth", "str", "Link bandwidth per device for collectives that cross nodes (a group whose "
+        "devices declare different `node`). The default is one 400 Gb/s InfiniBand NDR port per GPU, 50 GB/s: a "
+        "declared figure, not measured.", default="50 GB/s"),
 ))
 
 GROUPS = Section("groups", "Device groups for replicated nodes: `targets = [\"gpu0\", \"gpu1\"]`. A node on a group "
@@ -124,6 +134,12 @@ MODEL = Section("models.<name>", "A model whose weights nodes use.", (
     Key("linear_kernels", "str", "qwen3_5: the Gated DeltaNet kernels: `torch` (transformers' reference code) or "
         "`fla` (flash-linear-attention + causal-conv1d). Absent: what is installed where `check` runs.",
         choices=("torch", "fla")),
+    Key("parallel", "str", "A trainable model only: train it data-parallel over the devices of the group its nodes "
+        "are placed on, one replica per device (each on its own data shard and anchors, one optimizer step per "
+        "global batch): `ddp` (DistributedDataParallel: every device holds the whole model, its gradients and "
+        "AdamW state) or `fsdp` (FSDP2's fully_shard: each of M devices holds 1/M of them). Replica r of a "
+        "group of N feeds the model's replica r mod M. Absent: the model trains on one device.",
+        choices=("ddp", "fsdp")),
 ))
 
 NODE = Section("nodes[]", "One node of the graph (an array of tables: `[[nodes]]`).", (
