@@ -72,3 +72,109 @@ def test_bandwidths_are_declared_and_parsed(in_repo):
         parse_bandwidth("400 Gb/s")
     spec = compile_graph("graphs/tiny_dp.toml", ["launch.inter_node_bandwidth=25 GB/s"], rewrite=False).typed.ctx.spec
     assert spec.launch.intra_node_bandwidth == 450e9 and spec.launch.inter_node_bandwidth == 25e9
+
+
+def test_layouts_enumerate_every_split_of_the_devices(in_repo):
+    from dflash_graph.analysis.layouts import enumerate_layouts
+
+    typed = compile_graph("graphs/tiny.toml", rewrite=False).typed
+    names = [lay.name for lay in enumerate_layouts(typed)]
+    assert names == ["colocated-ddp", "colocated-fsdp", "1:2-ddp", "1:2-fsdp", "2:1"]
+    lays = {lay.name: lay for lay in enumerate_layouts(typed)}
+    assert lays["2:1"].targets == ("t0", "t1") and lays["2:1"].drafters == ("draft",) and lays["2:1"].engine is None
+    # a graph that declares its engine keeps it
+    assert [lay.name for lay in enumerate_layouts(compile_graph("graphs/tiny_dp.toml", rewrite=False).typed)] == [
+        "colocated-ddp", "3:1", "2:2-ddp", "1:3-ddp"][:1] + ["1:3-ddp", "2:2-ddp", "3:1"]
+
+
+def test_check_layouts_rows_and_json(in_repo, capsys):
+    import json
+
+    assert main(["check", "graphs/tiny.toml", "--layouts", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["layouts"]}
+    assert set(rows) == {"colocated-ddp", "colocated-fsdp", "1:2-ddp", "1:2-fsdp", "2:1"}
+    assert all(r["verdict"] == "fits" and r["samples_per_second"] > 0 for r in rows.values())
+    # 2:1 is the graph itself: its row is check's own prediction of it
+    plan = compile_graph("graphs/tiny.toml")
+    b = analyze_launch(plan.typed).bottleneck()
+    assert rows["2:1"]["step_seconds"] == pytest.approx(b[1])
+    assert rows["2:1"]["samples_per_second"] == pytest.approx(2 / b[1])
+    assert rows["2:1"]["peak_bytes"] == max(d.reserved_peak_bytes for d in plan.memory.devices.values())
+    assert main(["check", "graphs/tiny.toml", "--layouts"]) == 0
+    out = capsys.readouterr().out
+    assert "colocated-fsdp" in out and "fastest that fits:" in out
+
+
+def test_fsdp_shards_and_ddp_buckets_in_the_memory_model(in_repo):
+    from dflash_graph.analysis.memory import folded_events
+
+    ddp = compile_graph("graphs/tiny_dp.toml", rewrite=False)
+    fsdp = compile_graph("graphs/tiny_dp.toml", ["models.drafter.parallel=fsdp"], rewrite=False)
+    buckets = [e.size for e in folded_events(ddp.typed, "d0")[0] if "DDP gradient buckets" in e.label]
+    d0, f0 = ddp.memory.devices["d0"], fsdp.memory.devices["d0"]
+    assert buckets == [d0.optimizer_bytes // 2]   # fp32: AdamW's 8 B per trained param, the buckets' 4 B
+    # fsdp over 2 replicas: half the drafter's AdamW state (fp32: 8 B/param, no masters)
+    assert f0.optimizer_bytes * 2 == d0.optimizer_bytes
+    assert f0.peak_bytes < d0.peak_bytes
+
+
+def test_plan_layout_emits_a_graph_that_checks_the_same(in_repo, tmp_path, capsys):
+    out = tmp_path / "colocated.toml"
+    assert main(["plan", "graphs/tiny.toml", "--layout", "colocated-fsdp", "--emit", str(out)]) == 0
+    capsys.readouterr()
+    from dflash_graph.cli.layouts import layout_plan
+
+    want = layout_plan(compile_graph("graphs/tiny.toml"), "colocated-fsdp")
+    back = compile_graph(str(out))
+    assert back.typed.ctx.models["drafter"].spec.parallel == "fsdp"
+    assert analyze_launch(back.typed).transfers == ()
+    assert {d: m.peak_bytes for d, m in back.memory.devices.items()} == {
+        d: m.peak_bytes for d, m in want.memory.devices.items()}
+    assert main(["plan", "graphs/tiny.toml", "--layout", "9:9", "--emit", str(tmp_path / "x.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "no layout '9:9'" in err and "layouts: colocated-ddp" in err
+
+
+def test_ddp_buckets_hold_every_trainable_byte(tmp_path):
+    """torch/nn/parallel/distributed.py on a 1-process gloo group: the Reducer's buckets together hold exactly
+    the trainable parameters' bytes, the figure check counts."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])   # 8 x 4 MiB + biases
+        net[0].weight.requires_grad_(False)                                           # frozen: no bucket
+        ddp = torch.nn.parallel.DistributedDataParallel(net)
+        sizes = [int(x) for x in ddp._get_ddp_logging_data()["bucket_sizes"].split(", ")]
+    finally:
+        dist.destroy_process_group()
+    want = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+    assert sum(sizes) == want
+    # (how they split is not what check counts: on this 1-process gloo group torch 2.13 reports one bucket)
+
+
+def test_fsdp2_shards_are_one_mth_on_a_fake_group(tmp_path):
+    """FSDP2's fully_shard on torch's fake process group of 4 ranks (CPU, no collectives run): each parameter's
+    local shard is dim 0 chunked into 4, padded (_fsdp_param.py), which check counts as 1/M of the block."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dflash_graph.analysis.parallel import fsdp_shard
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 10))
+        for layer in net:
+            fully_shard(layer)
+        fully_shard(net)
+        local = [p.to_local().numel() for p in net.parameters()]
+        full = [p.numel() for p in net.parameters()]
+        rows = [p.shape[0] for p in net.parameters()]
+    finally:
+        dist.destroy_process_group()
+    assert local == [-(-r // 4) * (f // r) for r, f in zip(rows, full)]
+    total = sum(full)
+    assert fsdp_shard(total, 4) <= sum(local) <= fsdp_shard(total, 4) + sum(f // r for r, f in zip(rows, full))

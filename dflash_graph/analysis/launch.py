@@ -10,6 +10,15 @@ backward of twice its forward when it holds trainable weights (gradients of inpu
 its forward otherwise (gradients of inputs only): the 2N + 4N FLOPs per parameter and token of Kaplan et al.
 2020, section 2.1. Time is FLOPs over the device's declared `throughput`. Transfers and the optimizer step are
 not counted (their FLOPs are not declared).
+
+NOTE [Collective time]: a model declared `parallel` on M devices adds its collectives to each replica's busy
+time, at [launch] intra_node_bandwidth (inter_node_bandwidth when the group spans nodes), for P bytes of its
+trainable parameters in their dtype. A ring moves (M-1)/M x bytes per device per all-gather or reduce-scatter and
+2(M-1)/M x bytes per all-reduce (Patarasuk and Yuan 2009; NCCL's bus bandwidth, nccl-tests doc/PERFORMANCE.md).
+DDP: one all-reduce of the gradients per optimizer step (the accumulated micro-batches under no_sync), 2(M-1)/M x
+P. FSDP2 with reshard_after_forward: per forward+backward of a replica, an all-gather of every unit's parameters
+in forward, again in backward, and a reduce-scatter of their gradients, 3 (M-1)/M x P. Added to compute, not
+overlapped with it: torch overlaps both with the backward, so this is an upper bound on their cost.
 """
 
 from __future__ import annotations
@@ -18,9 +27,12 @@ from collections.abc import Mapping
 
 import attrs
 
+from ..models.registry import ARCHS
 from ..ops import registry
+from ..units import DTYPE_BYTES
 from .infer import Typed
 from .nodecost import grad_nodes, grad_seed, node_cost
+from .parallel import data_parallel
 
 
 @attrs.frozen
@@ -44,7 +56,9 @@ class DeviceLaunch:
     receive_queue_bytes: int          # q receive buffers per incoming cross-rank transfer (what check counts)
     staging_bytes: int                # send/recv staging copies (0: every op returns contiguous tensors)
     flops: int                        # forward + backward FLOPs per optimizer step
-    busy_seconds: float | None        # flops / throughput; None without a declared throughput
+    busy_seconds: float | None        # flops / throughput (+ collective_seconds); None without a throughput
+    collective_bytes: int = 0         # a data-parallel replica's collectives per step, as the ring moves them
+    collective_seconds: float = 0.0   # collective_bytes at the declared link bandwidth
 
 
 @attrs.frozen
@@ -149,15 +163,47 @@ def analyze_launch(typed: Typed) -> Launch:
             seen.add((t.node, t.dst_device))
             queue[t.dst_device] += t.queue * t.nbytes
     flops = step_flops(typed)
+    coll = collective_bytes(typed)
+    dp = data_parallel(typed)
+    if dp is not None and len(dp.devices) > 1:   # the replicas all-reduce or all-gather among themselves
+        for dev in dp.devices:
+            peers[dev] |= {spec.rank_of(o) for o in dp.devices if o != dev}
     devices = {}
     for name, d in spec.devices.items():
         cuda = d.torch.startswith("cuda")
         nccl = spec.launch.nccl_memory_per_peer * len(peers[name]) if cuda else 0
+        secs = coll.get(name, 0) / link_bandwidth(typed) if coll.get(name) else 0.0
         devices[name] = DeviceLaunch(
             name=name, rank=spec.rank_of(name), peers=tuple(sorted(peers[name])), nccl_bytes=nccl,
             receive_queue_bytes=queue[name], staging_bytes=0, flops=flops[name],
-            busy_seconds=flops[name] / d.throughput if d.throughput else None)
+            busy_seconds=flops[name] / d.throughput + secs if d.throughput else None,
+            collective_bytes=coll.get(name, 0), collective_seconds=secs)
     return Launch(spec.world_size, choose_backend(typed), devices, transfers, replicas(typed))
+
+
+def link_bandwidth(typed: Typed) -> float:
+    """The bandwidth a data-parallel model's collectives run at: intra-node when its devices share a node."""
+    spec, dp = typed.ctx.spec, data_parallel(typed)
+    nodes = {spec.devices[d].node for d in dp.devices} if dp is not None else {0}
+    return spec.launch.intra_node_bandwidth if len(nodes) == 1 else spec.launch.inter_node_bandwidth
+
+
+def collective_bytes(typed: Typed) -> dict[str, int]:
+    """Per device of a data-parallel model's group, the bytes each replica sends per optimizer step in its
+    collectives over M replicas, for P bytes of trainable parameters (NOTE [Collective time])."""
+    dp = data_parallel(typed)
+    if dp is None or len(dp.devices) < 2:
+        return {}
+    m = len(dp.devices)
+    info = typed.ctx.models[dp.model]
+    comps = ARCHS[info.spec.arch].component_params(info.dims)
+    p = sum(comps.get(c, 0) for c in comps if c not in info.spec.shares) * DTYPE_BYTES[info.spec.dtype]
+    if dp.engine == "ddp":   # one all-reduce per step (no_sync over the accumulated micro-batches)
+        per = 2 * (m - 1) * p // m
+    else:                    # per forward+backward: all-gather (forward), all-gather (backward), reduce-scatter
+        iters = int(typed.ctx.spec.train.get("grad_accum", 1) or 1) * replicas(typed) // m
+        per = 3 * (m - 1) * p // m * iters
+    return {d: per for d in dp.devices}
 
 
 def nccl_outside_bytes(typed: Typed) -> dict[str, int]:

@@ -22,6 +22,22 @@ gradients into fp32 copies before the step (4 B, transient), and copies the upda
 exp_avg and exp_avg_sq are fp32 (8 B) and its foreach step makes fp32 temporaries the size of the parameters
 (4 B, transient). bf16: 2 + 4 + 8 resident, 2 + 4 + 4 transient; fp32: 4 + 8 resident, 4 + 4 transient.
 (train/trainer.py implements exactly this.)
+
+NOTE [Data-parallel memory]: a model declared `parallel` (analysis/parallel.py) on a group of M devices.
+- ddp: every replica holds the whole model, its gradients, masters and AdamW state as above, plus the Reducer's
+  gradient buckets: torch/nn/parallel/distributed.py builds buckets of bucket_cap_mb = 25 MiB
+  (_DEFAULT_BUCKET_CAP_MB; the first one dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB) over the parameters that need
+  gradients, and with gradient_as_bucket_view=False (its default) the Reducer allocates each bucket's flat
+  gradient tensor at construction: together exactly the trainable parameters' bytes in their dtype, resident
+  (tests/test_layouts.py reads the buckets' sizes from a DDP on a 1-process gloo group).
+- fsdp: fully_shard (torch/distributed/fsdp/_fully_shard/) per decoder layer and once at the root. Each replica
+  holds its shard of every parameter (_fsdp_param.py: dim 0 chunked into M, padded to M equal chunks), so 1/M of
+  the parameters, their gradients, masters and AdamW state. During each forward and backward the unsharded
+  parameters of the unit being computed and of the one prefetched (_fsdp_collectives.py foreach_all_gather:
+  all_gather_output, world_size x the padded shards), and during backward a unit's unsharded gradients with their
+  shard (foreach_reduce: reduce_scatter_input and output). Counted as 2 units all-gathered from the start of each
+  forward to the end of its backward and one reduce-scatter through the backward, both at the largest unit: an
+  upper bound (FSDP2 frees each unit's all-gather after its forward with reshard_after_forward=True).
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from .allocator import AllocatorConfig, Event, Folded, Repeat, expand_events, ro
 from .infer import Typed
 from .launch import nccl_outside_bytes, replicas
 from .nodecost import grad_nodes, grad_seed, hook_refs, node_cost
+from .parallel import data_parallel, fsdp_shard
 
 STEPS_SIMULATED = 2
 
@@ -487,10 +504,19 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
     weight_bytes = opt_bytes = 0
     trainable_params: dict[str, int] = {}
     trainable_width: dict[str, int] = {}
+    dp = data_parallel(typed)
+    dp = dp if dp is not None and device in dp.devices else None
+    units: list[int] = []        # FSDP2: the parameter bytes of each fully_shard unit, unsharded
     for owner, params in sorted(component_bytes(typed).get(device, {}).items()):
         mname, comp = owner.split(".")
         m = ctx.models[mname]
         width = DTYPE_BYTES[m.spec.dtype]
+        if dp is not None and dp.engine == "fsdp" and mname == dp.model:
+            # NOTE [Data-parallel memory]: each replica holds 1/M of the parameters (and so of their gradients,
+            # masters and AdamW state)
+            layers = getattr(m.dims, "num_hidden_layers", 1) if comp == "layers" else 1
+            units += [params * width // layers] * layers if comp == "layers" else [params * width]
+            params = fsdp_shard(params, len(dp.devices))
         nblocks = getattr(m.dims, "num_hidden_layers", 1) if comp == "layers" else 1
         if type(seq) is _Seq and nblocks > 2 and params * width // nblocks > 0:
             # the layers' blocks: two written, the rest one Repeat marker (NOTE [Folded replay]: a repetition
@@ -515,6 +541,15 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
             for k in ("exp_avg", "exp_avg_sq"):
                 seq.alloc(("opt", owner, k), params * 4, f"load/AdamW {k} {owner}")
                 opt_bytes += params * 4
+    if dp is not None and dp.engine == "ddp" and trainable_params:
+        seq.alloc(("ddp_buckets",), sum(p * trainable_width[o] for o, p in trainable_params.items()),
+                  "load/DDP gradient buckets (Reducer, gradient_as_bucket_view=False)")
+    fsdp_unit = 0
+    if dp is not None and dp.engine == "fsdp" and units:
+        units.append(sum(p * trainable_width[o] for o, p in trainable_params.items())
+                     * len(dp.devices) - sum(units))     # the root unit: what no layer holds
+        fsdp_unit = max(units)
+    first_grad = next((n.id for n in on if n.id in grads), None)
     for n in on:
         op = registry.get(n.op)
         if op.traits.movement and n.device == device or (op.traits.movement and device in ctx.devices_of(n.device)):
@@ -539,6 +574,8 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                 seq.start(it)
             for n in g.nodes:
                 seq.at = n.id if step == 0 else None   # where the replay is (NOTE [Rejection certificates])
+                if fsdp_unit and n.id == first_grad:   # all-gathered: the unit computed and the one prefetched
+                    seq.alloc(("fsdp_all_gather",), 2 * fsdp_unit, f"{n.id}/FSDP all-gather: 2 units' parameters")
                 here = n.id in on_ids
                 cost = costs.get(n.id, NodeCost())
                 _forward_node(seq, typed, n, here, cost, left, saved_refs, grads, compress, desc, actions)
@@ -546,6 +583,9 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
             seq.at = None
             bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
             grad_of: set[Ref] = set()
+            if fsdp_unit:   # a unit's unsharded gradients in, its 1/M shard out
+                seq.alloc(("fsdp_reduce_scatter",), fsdp_unit + -(-fsdp_unit // len(dp.devices)),
+                          "FSDP reduce-scatter: a unit's unsharded gradients and their shard")
             for n in bwd:
                 cost = costs[n.id]
                 label = f"{n.id}/backward"
@@ -575,6 +615,9 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                                 seq.free(r, f"{label} releases saved {r}")
             for r in list(grad_of):
                 seq.free(("dgrad", r), "backward done")
+            if fsdp_unit:
+                seq.free(("fsdp_reduce_scatter",), "backward done")
+                seq.free(("fsdp_all_gather",), "backward done")
             for r, _ in list(saved_refs.items()):
                 seq.free(r, "backward done")
             # the loss value is kept for logging until the next step

@@ -27,6 +27,12 @@ class DataParallel:
     devices: tuple[str, ...]    # its replicas' devices, replica j on devices[j]
 
 
+def fsdp_shard(params: int, m: int) -> int:
+    """Elements of one FSDP2 shard of a parameter block: dim 0 chunked into m, padded to m equal chunks
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, padded_sharded_param_size); counted on the block."""
+    return -(-params // m)
+
+
 def trainable_placements(typed: Typed) -> dict[str, list[str]]:
     """Placement -> the nodes autograd records that are placed there, in graph order."""
     from .nodecost import grad_nodes

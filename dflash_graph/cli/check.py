@@ -98,6 +98,11 @@ def _extras(args, plan: Plan) -> dict[str, tuple[object, str]]:
         from .snapshot import write_snapshot
 
         out["memory_snapshot"] = write_snapshot(plan, args.memory_snapshot)
+    if getattr(args, "layouts", False):
+        from .layouts import layout_rows, render_layouts
+
+        rows = layout_rows(plan)
+        out["layouts"] = ([r.to_json() for r in rows], render_layouts(plan, rows))
     if getattr(args, "plot", None):
         from .plot import plot_plan
 
@@ -206,6 +211,10 @@ def cmd_plan(args) -> int:
 
         output_file(args.emit, "--emit")
     plan = plan_from_args(args)
+    if getattr(args, "layout", None):
+        from .layouts import layout_plan
+
+        plan = layout_plan(plan, args.layout)
     if args.emit:
         import os
 

@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--memory-snapshot", metavar="FILE.pickle",
                    help="write the predicted allocation trace and segments of every CUDA device in the format of "
                         "torch.cuda.memory._snapshot(), for https://pytorch.org/memory_viz")
+    c.add_argument("--layouts", action="store_true",
+                   help="predict every layout of the graph's devices (colocated, each N:M split, N:1), each checked "
+                        "as a graph variant: fits or OOM, peak, bottleneck rank, samples/s (docs/distributed.md)")
     c.add_argument("--plot", metavar="FILE.png|svg", help="draw each device's memory over the schedule, by category, "
                                                           "as written and rewritten (needs matplotlib)")
     e = sub.add_parser("explain", help="one node: its contract, shapes, memory and FLOP formulas, and its rewrites",
@@ -80,6 +83,8 @@ def parser() -> argparse.ArgumentParser:
                         description="Rewrite the graph and print it, or write it as TOML with --emit.")
     _common(pl)
     pl.add_argument("--emit", metavar="OUT.toml", help="write the rewritten graph as TOML")
+    pl.add_argument("--layout", metavar="NAME", help="the graph in one of the layouts `check --layouts` lists "
+                                                      "(e.g. colocated-fsdp, 4:4-ddp, 7:1)")
     r = sub.add_parser("run", help="check, rewrite and execute the graph: train the drafter",
                        description="Run `check` first (refusing a graph predicted to OOM unless --force), then "
                                    "execute the rewritten graph on its devices and train.")
