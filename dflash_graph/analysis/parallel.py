@@ -102,9 +102,7 @@ def placement_problems(typed: Typed) -> list[Problem]:
         return []
     place, ids = next(iter(places.items()))
     devs = ctx.devices_of(place)
-    from .launch import replicas
-
-    R = replicas(typed)
+    R = max(len(ctx.devices_of(n.device)) for n in typed.graph.nodes)   # the graph's replicas (launch.replicas)
     if R % len(devs):
         problems.append(Problem(
             f"model '{name}' has {len(devs)} data-parallel replicas ({', '.join(devs)}) and the graph {R} replicas: "
