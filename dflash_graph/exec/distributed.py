@@ -558,6 +558,31 @@ def _short(e: BaseException) -> str:
     return text.split(". ")[0][:120]
 
 
+def parallel_model(typed) -> tuple[str | None, str | None]:
+    """The trainable model and the `parallel` it declares ("ddp", "fsdp", or None: one rank owns it)."""
+    for name, m in typed.ctx.spec.models.items():
+        if m.trainable:
+            return name, getattr(m, "parallel", None)
+    return None, None
+
+
+def replica_group(ranks: Sequence[int], backend: str):
+    """The process group of a data-parallel model's ranks. Every rank of the world calls this (new_group is
+    collective over the world, also for the ranks outside it); the DDP wrapper, the metrics gather and the
+    sharded checkpoint run on it."""
+    return dist.new_group(ranks=sorted(ranks), backend=backend)
+
+
+def gather_among(comm: Comm, obj, group, ranks: Sequence[int], what: str) -> list:
+    """Every member's obj, in rank order, on every member of `group` (its ranks `ranks`). Watched like every
+    other wait (Comm._watch): a member that is killed or stops on an error ends it with that cause."""
+    out = [None] * len(ranks)
+    fut = comm.pool.submit(dist.all_gather_object, out, obj, group)
+    peer = next((k for k in ranks if k != comm.rank), comm.rank)
+    comm._watch(fut, peer, what)
+    return out
+
+
 def writer_ranks(typed, launch: Launch) -> set[int]:
     """The ranks that run a node of the trainable model (one, in a launch that can run)."""
     from ..analysis.launch import device_for
@@ -582,10 +607,21 @@ def check_launch(typed, launch: Launch, writers: set[int] | None = None) -> None
             f"torchrun started {world} processes, but the graph's devices map to {launch.world_size} rank(s) ({ranks})",
             spec.loc("devices"), hint=f"launch with --nproc-per-node {launch.world_size} (dflash-graph launch or "
                                       "torchrun, one machine), or declare `rank` on each device to share ranks"))
-    if len(writers) > 1 and not any(m.parallel for m in spec.models.values()):
-        problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writers)}; one rank must own "
-                                "all of them (it steps the optimizer and writes the checkpoints)", spec.loc("devices"),
-                                hint="give the drafter's devices one rank, or declare `parallel` on the trainable model"))
+    if len(writers) > 1:
+        name, mode = parallel_model(typed)
+        if mode is None:
+            problems.append(Problem(f"the trainable model's nodes run on ranks {sorted(writers)}; without `parallel` "
+                                    "one rank must own all of them (it steps the optimizer and writes the checkpoints)",
+                                    spec.loc("models", name) if name else spec.loc("devices"),
+                                    expected="one rank, or parallel = \"ddp\" on the model",
+                                    actual=f"{len(writers)} ranks and no parallel",
+                                    hint=f"declare parallel = \"ddp\" in [models.{name}] (one replica per rank, "
+                                         "gradients averaged), or give the drafter's devices one rank"))
+        elif mode == "fsdp":
+            problems.append(Problem(
+                f"model '{name}' declares parallel = \"fsdp\", which run does not train yet: only \"ddp\" does "
+                "(check predicts both)", spec.loc("models", name, "parallel"), expected='"ddp"', actual='"fsdp"',
+                hint=f"declare parallel = \"ddp\" in [models.{name}] to run this layout now"))
     grads = grad_nodes(typed)
     by_dst: dict[tuple[int, int], set[int]] = {}
     for t in launch.transfers:

@@ -65,6 +65,9 @@ class ModelStore:
         self._full: dict[tuple[str, str], nn.Module] = {}
         self._parts: dict[tuple[str, str, str], nn.Module] = {}
         self.drafters: dict[str, nn.Module] = {}   # model name -> the trainable module
+        # model name -> its data-parallel wrapper (DistributedDataParallel), which the trainable role's forward goes
+        # through under torchrun, so that its gradients are averaged over the model's ranks (train/trainer.py)
+        self.wrapped: dict[str, nn.Module] = {}
         base = typed.ctx.spec.file
         self.base = Path(base).parent if base else Path(".")
 
@@ -208,14 +211,14 @@ class ModelStore:
         if role == "body":
             return self.full(node.model, tdev)
         if role == "trainable":
-            return self.drafter(node.model, tdev)
+            return self.wrapped.get(node.model) or self.drafter(node.model, tdev)
         return self.component(node.model, role, tdev)
 
     def resident(self, node, role: str, tdev: str) -> list[torch.Tensor]:
         """The tensors a role's module keeps on the device, as the memory model charges them: the body of a
         model built whole (its lm_head is charged where an lm_head node uses it), a trainable module with the
         embedding it borrows, a component's parameters and buffers."""
-        mod = self.module(node, role, tdev)
+        mod = self.drafter(node.model, tdev) if role == "trainable" else self.module(node, role, tdev)
         if role == "body":
             mod = mod.model
         tensors = list(mod.parameters()) + list(mod.buffers())

@@ -139,8 +139,80 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         raise OSError(code, os.strerror(code), str(path)) from None
 
 
+# NOTE [Sharded checkpoints]: a data-parallel drafter (`parallel` on the model, under torchrun) saves its fp32
+# masters and AdamW state through torch.distributed.checkpoint (DCP), every drafter rank together
+# (`save_sharded`, into checkpoints/.dcp-step-N): each tensor is saved under the parameter's name
+# ("drafter.layers.0.mlp.up_proj.weight"), not its position in one optimizer, and DCP's planner has each replicated
+# tensor written once, by one of the ranks. The writer then moves that directory into the step as `drafter.dcp`
+# (its files in the manifest like any other) and writes the rest as usual: the drafter's whole weights in
+# safetensors (export and evaluate read them), the scheduler and generators in trainer.pt, without the optimizer.
+# `restore` loads `drafter.dcp` with DCP on whatever ranks the resuming graph trains on (one process, one rank,
+# or another number of drafter ranks): DCP reshards by name, so N drafter ranks resume on M. A checkpoint without
+# it (one rank's, or the writer's alone when a rank was lost, when no collective can run) holds the whole
+# optimizer in trainer.pt and resumes on any number of ranks the same way, each loading all of it.
+DCP_DIR = "drafter.dcp"
+ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def param_names(drafters: dict[str, torch.nn.Module]) -> list[str]:
+    """The trainable parameters' names, in the order of ModelStore.trainable_parameters (and of the masters)."""
+    return [f"{name}.{k}" for name, m in drafters.items() for k, p in m.named_parameters() if p.requires_grad]
+
+
+def _sharded_state(drafters, optimizer, masters, init: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """{"masters": {name: fp32 master}, "step"/"exp_avg"/"exp_avg_sq": {name: AdamW state}}: detached views of
+    the live tensors, which DCP reads from on save and writes into on load (`init`: AdamW state made first, as the
+    optimizer's first step would make it, so that there is something to load into)."""
+    names = param_names(drafters)
+    out: dict[str, dict[str, torch.Tensor]] = {"masters": {}, **{k: {} for k in ADAM_KEYS}}
+    for name, m in zip(names, masters):
+        st = optimizer.state[m]
+        if init and not st:
+            st.update({"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                       "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)})
+        out["masters"][name] = m.detach()
+        for k in ADAM_KEYS:
+            if k in st:
+                out[k][name] = st[k].detach() if torch.is_tensor(st[k]) else torch.tensor(float(st[k]))
+    return out
+
+
+def save_sharded(dirpath: Path, step: int, drafters, optimizer, masters, group) -> Path:
+    """Every drafter rank: the masters and AdamW state through DCP into checkpoints/.dcp-step-N (NOTE [Sharded
+    checkpoints]); returns that directory, which the writer's `save(..., sharded=...)` takes into the step."""
+    import torch.distributed.checkpoint as dcp
+
+    bad = nonfinite_tensors({}, masters)
+    if bad:
+        raise NonFiniteWeights(f"refusing to save the checkpoint of step {step}: {len(bad)} tensor(s) hold NaN or "
+                               f"infinite values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+    where = dirpath / "checkpoints" / f".dcp-step-{step:08d}"     # the writer removed what a killed save left
+    where.mkdir(parents=True, exist_ok=True)
+    dcp.save(_sharded_state(drafters, optimizer, masters, init=False), checkpoint_id=str(where), process_group=group)
+    return where
+
+
+def _restore_sharded(ck: Path, drafters, optimizer, masters, params, group) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    state = _sharded_state(drafters, optimizer, masters, init=True)
+    no_dist = group is None
+    if no_dist and dist.is_initialized():
+        dcp.load(state, checkpoint_id=str(ck / DCP_DIR), no_dist=True)
+    elif no_dist:
+        dcp.load(state, checkpoint_id=str(ck / DCP_DIR))
+    else:
+        dcp.load(state, checkpoint_id=str(ck / DCP_DIR), process_group=group)
+    with torch.no_grad():
+        for p, m in zip(params, masters):
+            if m is not p:
+                p.copy_(m)
+
+
 def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimizer, scheduler,
-         data_state: dict, generator: torch.Generator, extra: dict[str, Any], masters=(), keep: int = 3) -> Path:
+         data_state: dict, generator: torch.Generator, extra: dict[str, Any], masters=(), keep: int = 3,
+         sharded: Path | None = None) -> Path:
     bad = nonfinite_tensors(drafters, masters)
     if bad:
         raise NonFiniteWeights(f"refusing to save the checkpoint of step {step}: {len(bad)} tensor(s) hold NaN or "
@@ -153,7 +225,10 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
     tmp.mkdir()
     _reached("tmp-created", step)
     try:
-        _write_step(tmp, step, drafters, optimizer, scheduler, data_state, generator, extra, masters)
+        if sharded is not None:
+            os.rename(sharded, tmp / DCP_DIR)
+        _write_step(tmp, step, drafters, optimizer, scheduler, data_state, generator, extra, masters,
+                    sharded is not None)
     except BaseException:      # a full disk, an unwritable directory, Ctrl-C: no half-written step is left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -175,8 +250,9 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
     return dirpath / "checkpoint"
 
 
-def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state, generator, extra, masters) -> None:
-    files = []
+def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state, generator, extra, masters,
+                sharded: bool = False) -> None:
+    files = sorted(f"{DCP_DIR}/{p.name}" for p in (tmp / DCP_DIR).iterdir()) if sharded else []
     for name, m in drafters.items():
         save_tensors({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, tmp / f"{name}.safetensors",
                       {"step": str(step), "format": "dflash-graph drafter"})
@@ -184,9 +260,9 @@ def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state
     _reached("weights-written", step)
     # through a Python file, so a failed write is an OSError with its errno (torch's own writer says RuntimeError)
     with open(tmp / "trainer.pt", "wb") as f:
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        torch.save({"optimizer": None if sharded else optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "generator": generator.get_state(), "torch_rng": torch.get_rng_state(),
-                    "masters": [m.detach().cpu() for m in masters]}, f)
+                    "masters": [] if sharded else [m.detach().cpu() for m in masters]}, f)
     files.append("trainer.pt")
     _reached("trainer-written", step)
     (tmp / "state.json").write_text(json.dumps({"step": step, "data": data_state, **extra}, indent=2))
@@ -357,7 +433,11 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
                                       "(checkpoints/step-N), or train again")) from None
 
 
-def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler, generator, masters=()) -> None:
+def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler, generator, masters=(),
+            group=None) -> None:
+    """Load a checkpoint into this process's drafter, optimizer and generators. `group`: the process group of a
+    data-parallel drafter's ranks (every one of them calls this), for a sharded checkpoint (NOTE [Sharded
+    checkpoints]); None in one process or on the one rank that trains."""
     from ..errors import GraphError, Location, Problem
 
     hint = ("the graph's drafter changed since this checkpoint was written (models.<drafter>.config, dims, or a "
@@ -387,11 +467,15 @@ def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler
                                  hint="checkpoints are loaded with weights_only=True: a file holding other Python "
                                       "objects is refused, never run")) from None
     try:
-        optimizer.load_state_dict(blob["optimizer"])
+        if blob.get("optimizer") is None:      # a sharded checkpoint: masters and AdamW state by name, through DCP
+            params = [p for m in drafters.values() for p in m.parameters() if p.requires_grad]
+            _restore_sharded(ck, drafters, optimizer, masters, params, group)
+        else:
+            optimizer.load_state_dict(blob["optimizer"])
         scheduler.load_state_dict(blob["scheduler"])
         generator.set_state(blob["generator"])
-        saved_masters = blob.get("masters", [])
-        if masters and len(saved_masters) != len(masters):
+        saved_masters = blob.get("masters", []) if blob.get("optimizer") is not None else []
+        if masters and blob.get("optimizer") is not None and len(saved_masters) != len(masters):
             raise ValueError(f"{len(saved_masters)} fp32 master tensors saved, the drafter has {len(masters)}")
         with torch.no_grad():
             for i, (m, saved) in enumerate(zip(masters, saved_masters)):

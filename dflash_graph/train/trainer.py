@@ -27,11 +27,14 @@ a finished run (cli/run.py, export_problem) is exit 2 too, with the command that
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import inspect
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -254,6 +257,21 @@ class Trainer:
             _set_threads(int(self.cfg.get("threads", 0)), self.tdev)
         self.writer = min(writer_ranks) if self.comm is not None else 0
         self.is_writer = self.rank == self.writer
+        # NOTE [Data-parallel drafter]: a trainable model with `parallel` whose nodes sit on several ranks has a
+        # replica on each (the drafter ranks); the writer is the first of them. Each replica trains on the batches
+        # of its own replica indices, its forward goes through DistributedDataParallel, whose all-reduce averages
+        # the gradients over the drafter ranks at the last backward of the step (no_sync before it), so every
+        # replica steps its optimizer on the same gradients: one optimizer step per global batch. Each local loss
+        # is scaled by M / (R * grad_accum) (M drafter ranks, R replicas) so that DDP's mean is the single
+        # process's sum over replicas / (R * grad_accum). The step's losses, accuracies and busy times are gathered
+        # from every drafter rank and folded in the single process's order (micro-batch, then replica).
+        self.dp_ranks = sorted(writer_ranks) if self.comm is not None else [0]
+        self.is_drafter = self.rank in self.dp_ranks
+        self.dp_group = None
+        if self.comm is not None and len(self.dp_ranks) > 1:
+            from ..exec.distributed import replica_group
+
+            self.dp_group = replica_group(self.dp_ranks, self.launch.backend)
         self.seed = int(self.cfg["seed"])
         # data first, so a bad record is reported before any model is built: one shard per replica whose
         # token_input runs in this process; the held-out split where the whole graph runs in this process
@@ -280,7 +298,8 @@ class Trainer:
                                   track_memory=opts.track_memory and not local_cuda, local=local, comm=self.comm)
         if self.comm is not None:
             self.interp.on_node = self._on_node
-        self.params = self.store.trainable_parameters() if self.is_writer else []
+        self.params = self.store.trainable_parameters() if self.is_drafter else []
+        self.local_rs = [r for r in range(R) if self.interp._backward_device(r) is not None]
         self.loss_node = next(n.id for n in typed.graph.nodes     # the loss op, or the fused op that replaced it
                               if registry.get(n.op).traits.sink and "loss" in typed.outputs_of(n.id))
         # the anchors' coverage per slot (train/metrics.coverage): the loss node's `valid` [A, B] is kept for it
@@ -292,7 +311,7 @@ class Trainer:
         self.masters, self.opt, self.sched = [], None, None
         try:
             ck = None
-            if opts.resume is not None and self.is_writer:
+            if opts.resume is not None and self.is_drafter:
                 state, ck = checkpoint.load(opts.resume)
                 if "batches" not in state.get("data", {}):
                     raise GraphError(Problem(f"{ck} was written by an older dflash-graph (data position as epoch and "
@@ -301,16 +320,18 @@ class Trainer:
                 self.start_step = int(state["step"])
                 self.steps, self.schedule_steps, note = resumed_steps(opts.resume, state, opts.steps,
                                                                       int(self.cfg["steps"]))
-                if note:
+                if note and self.is_writer:
                     print(f"note: {note}", file=sys.stderr, flush=True)
                 if state.get("stats"):
                     self.stats.load_state_dict(state["stats"])
-            if self.is_writer:
+            if self.is_drafter:
                 self._make_optimizer()
                 if ck is not None:
                     checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator,
-                                       self.masters)
+                                       self.masters, group=self.dp_group)
                     self._take_allowed_changes()
+                if self.dp_group is not None:
+                    self._wrap_ddp()
         except GraphError as e:   # under torchrun the other ranks wait for the step: tell them why there is none
             if self.comm is None:
                 raise
@@ -344,6 +365,20 @@ class Trainer:
                                      weight_decay=float(cfg["weight_decay"]))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(int(cfg["warmup_steps"]),
                                                                             self.schedule_steps))
+
+    def _wrap_ddp(self) -> None:
+        """The drafter's forward through DistributedDataParallel over the drafter ranks (NOTE [Data-parallel
+        drafter]). Built after a resume's restore: its construction broadcasts the first drafter rank's weights,
+        which every replica then already holds."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        for name, m in self.store.drafters.items():
+            dev = next(m.parameters()).device
+            # no buffer sync at each forward: the drafter's buffers (rotary tables) are equal on every replica
+            sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
+                DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False}
+            self.store.wrapped[name] = DistributedDataParallel(
+                m, process_group=self.dp_group, device_ids=[dev] if dev.type == "cuda" else None, **sync)
 
     def _take_allowed_changes(self) -> None:
         """After a checkpoint is restored: the graph's train.lr and train.weight_decay, which the optimizer's and
@@ -392,8 +427,11 @@ class Trainer:
         accum = self.accum
         R = self.interp.replicas
         comm = self.comm
-        losses, accs, counts = [], [], 0
-        cover = {"reach": 0, "scored": 0, "loss_tokens": 0}
+        records = []      # per (micro-batch, replica) that this process trained: loss, slot_acc, accepted, scored
+        cover = {"reach": 0, "loss_tokens": 0}
+        ddp = next(iter(self.store.wrapped.values()), None)
+        last = (accum - 1, self.local_rs[-1]) if self.local_rs else None
+        scale = len(self.dp_ranks) if self.dp_group is not None else 1
 
         def batch(rr: int) -> dict[str, torch.Tensor]:
             b = self.shards[rr].next_batch()
@@ -423,20 +461,21 @@ class Trainer:
                         acc_[0] += b
                         acc_[1] += w
                 keep = frozenset([self.valid_ref]) if self.valid_ref is not None else frozenset()
-                res = self.interp.run_replica(r, batch, keep=keep,
-                                              generator=self._generator(step, a, r), inbox=inbox, sends=self.routes[r])
-                inbox = None
-                out = res.get(self.loss_node)
-                if out is not None:
-                    with self.interp.window(r, "backward"):
-                        (out["loss"] / (R * accum)).backward()
-                    losses.append(float(out["loss"].detach()))
-                    accs.append(out["slot_acc"].detach().float().cpu())
-                    counts = counts + out["accepted"].detach().double().cpu()
-                    valid = res.get(self.valid_ref.node, {}).get(self.valid_ref.output) if self.valid_ref else None
-                    if valid is not None:
-                        cover["scored"] = cover["scored"] + valid.detach().to(torch.int64).sum(0).cpu()
-                del res, out
+                # a data-parallel drafter averages its gradients at the last backward of the step only
+                with ddp.no_sync() if ddp is not None and (a, r) != last else contextlib.nullcontext():
+                    res = self.interp.run_replica(r, batch, keep=keep, generator=self._generator(step, a, r),
+                                                  inbox=inbox, sends=self.routes[r])
+                    inbox = None
+                    out = res.get(self.loss_node)
+                    if out is not None:
+                        loss = out["loss"] if scale == 1 else out["loss"] * scale
+                        with self.interp.window(r, "backward"):
+                            (loss / (R * accum)).backward()
+                        valid = res.get(self.valid_ref.node, {}).get(self.valid_ref.output) if self.valid_ref else None
+                        records.append((a, r, float(out["loss"].detach()), out["slot_acc"].detach().float().cpu(),
+                                        out["accepted"].detach().double().cpu(),
+                                        None if valid is None else valid.detach().to(torch.int64).sum(0).cpu()))
+                    del res, out
                 if comm is not None:
                     if self.receives[r]:
                         comm.release(self._alloc)
@@ -444,18 +483,36 @@ class Trainer:
                         w = comm.wait_seconds - w0
                         comm.send_header(step, a, r, time.perf_counter() - t0 - w, w)
         m: dict[str, Any] = {}
-        if self.is_writer:
+        if self.dp_group is not None and self.is_drafter:
+            # every drafter rank's records and busy times, on every drafter rank, folded in the single process's
+            # order (NOTE [Data-parallel drafter]); this rank's busy time ends here (the optimizer step is not in it)
+            from ..exec.distributed import gather_among
+
+            wait = comm.wait_seconds - wait0
+            ranks[self.rank] = [time.perf_counter() - t_step - wait, wait]
+            pieces = gather_among(comm, (records, ranks), self.dp_group, self.dp_ranks,
+                                  "the step's losses of the drafter ranks")
+            records = sorted((x for rec, _ in pieces for x in rec), key=lambda x: (x[0], x[1]))
+            ranks = {k: v for _, rk in pieces for k, v in rk.items()}   # each its own, and its senders' headers
+        if self.is_drafter:
+            losses = [x[2] for x in records]
             loss = sum(losses) / len(losses)
             m = self._optimizer_step(None if math.isfinite(loss) else "non-finite loss")
-            acc = torch.stack(accs).mean(0)
+            acc = torch.stack([x[3] for x in records]).mean(0)
+            counts, scored = 0, 0
+            for x in records:
+                counts = counts + x[4]
+                if x[5] is not None:
+                    scored = scored + x[5]
             m.update({"loss": loss, "slot_acc": [round(float(a), 4) for a in acc.tolist()],
                       **acceptance(counts.tolist())})
             if cover["loss_tokens"]:      # where this process packs the batches (not on a torchrun drafter rank)
-                cov = coverage(cover["reach"].tolist(), None if isinstance(cover["scored"], int)
-                               else cover["scored"].tolist(), cover["loss_tokens"])
+                cov = coverage(cover["reach"].tolist(), None if isinstance(scored, int) else scored.tolist(),
+                               cover["loss_tokens"])
                 m.update({k: [None, *v[1:]] for k, v in cov.items()})     # slot 0, the anchor, is never scored
-        wait = (comm.wait_seconds - wait0) if comm else 0.0
-        ranks[self.rank] = [time.perf_counter() - t_step - wait, wait]
+        if self.dp_group is None or not self.is_drafter:
+            wait = (comm.wait_seconds - wait0) if comm else 0.0
+            ranks[self.rank] = [time.perf_counter() - t_step - wait, wait]
         m["ranks"] = {str(k): {"busy_s": round(v[0], 4), "wait_s": round(v[1], 4)} for k, v in sorted(ranks.items())}
         return m
 
@@ -463,7 +520,7 @@ class Trainer:
         """Clip and step; `skip` (or a non-finite gradient norm) skips the optimizer step, NOTE [Non-finite steps]."""
         tr = self.interp.tracker
         if tr is not None:
-            tr.charge(self.interp._backward_device(0), "optimizer")
+            tr.charge(self.interp._backward_device(self.local_rs[0]), "optimizer")
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
@@ -472,7 +529,7 @@ class Trainer:
         if skip is None and not math.isfinite(gnorm):
             skip = "non-finite gradient norm"
         if skip is None:
-            with self.interp.window(0, "optimizer"):
+            with self.interp.window(self.local_rs[0], "optimizer"):
                 self.opt.step()
         with warnings.catch_warnings():   # a skipped first step: torch warns that the scheduler stepped first
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
@@ -563,7 +620,7 @@ class Trainer:
                 if stop["requested"]:
                     interrupted = True
                     break
-                if self.is_writer and ck_every and step % ck_every == 0 and step < self.steps:
+                if self.is_drafter and ck_every and step % ck_every == 0 and step < self.steps:
                     self._save(step)
         except KeyboardInterrupt:
             interrupted = hard_stop = True
@@ -600,7 +657,7 @@ class Trainer:
             print(f"stopped during step {step + 1}: {_kept(out, self.opts.resume)}", file=sys.stderr)
             return 130
         try:
-            if self.is_writer:
+            if self.is_drafter:
                 self._save(step)
             devices = self._write_memory(step)
         except WriteFailed as e:
@@ -740,7 +797,7 @@ class Trainer:
         kept = ""
         if self.is_writer and step > self.start_step:
             try:
-                self._save(step)
+                self._save(step, collective=False)     # the writer alone: its peers may be gone
                 kept = f"checkpoint of step {step} saved to {self.opts.out / 'checkpoint'}; continue with " \
                        f"--resume {self.opts.out}"
             except Exception as e:   # the disk, not the run: say so, keep the exit status
@@ -767,14 +824,28 @@ class Trainer:
             "devices": sorted(self.interp.local), "writer": self.is_writer,
             "torch": {k: self.tdev[k] for k in sorted(self.interp.local)}}, indent=2))
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, collective: bool = True) -> None:
+        """The checkpoint of `step`: by the writer, and with a data-parallel drafter by every drafter rank
+        together (NOTE [Sharded checkpoints], train/checkpoint.py); `collective=False`: the writer alone, whole (a
+        stop after a lost rank, when no collective can run)."""
         out = self.opts.out
         try:
+            sharded = None
+            if self.dp_group is not None and collective:
+                from ..exec.distributed import gather_among
+
+                if self.is_writer:     # what a killed save of this step left
+                    shutil.rmtree(out / "checkpoints" / f".dcp-step-{step:08d}", ignore_errors=True)
+                gather_among(self.comm, step, self.dp_group, self.dp_ranks, "the start of a checkpoint")
+                sharded = checkpoint.save_sharded(out, step, self.store.drafters, self.opt, self.masters,
+                                                  self.dp_group)
+            if not self.is_writer:
+                return
             checkpoint.save(out, step, self.store.drafters, self.opt, self.sched,
                             {"batches": step * self.accum}, self.interp.generator,
                             {"graph": self.plan.typed.ctx.spec.name, "steps": self.steps,
                              "schedule_steps": self.schedule_steps, "stats": self.stats.state_dict()}, self.masters,
-                            keep=int(self.cfg.get("keep_checkpoints") or 3))
+                            keep=int(self.cfg.get("keep_checkpoints") or 3), sharded=sharded)
         except checkpoint.NonFiniteWeights as e:
             saved = checkpoint.newest_complete(out)
             kept = _last_good(saved, "no checkpoint was saved before")
