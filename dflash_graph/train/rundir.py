@@ -42,6 +42,16 @@ ALWAYS_OK = frozenset({"train.log_every", "train.checkpoint_every", "train.keep_
 WITH_FLAG = frozenset({"train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip"})
 
 
+def layout_key(k: str) -> bool:
+    """Where the graph runs, not what a step computes: the devices, their groups and ranks, a node's device, the
+    launch, a trainable model's `parallel`, the graph's name. A resume may change them (a run saved on N drafter
+    ranks resumes on M: NOTE [Sharded checkpoints], train/checkpoint.py); the losses continue as the global batch
+    (the replicas, grad_accum) and the reduction order allow (docs/distributed.md)."""
+    return (k.startswith(("devices.", "groups.", "launch.")) or k == "graph.name"
+            or (k.startswith("nodes.") and k.endswith(".device"))
+            or (k.startswith("models.") and k.endswith(".parallel")))
+
+
 def _memory_figure(key: str) -> bool:
     """A device's capacity or outside_allocator, or [memory] host_memory: what check compares the peaks with, not
     state a checkpoint holds. Always OK on resume: a device mapped to the CPU takes the host's available memory as
@@ -272,11 +282,15 @@ def check_resume(resume: Path, spec, allow: Sequence[str]) -> None:
         raise GraphError(Problem(f"{path} is not valid ({type(e).__name__})", Location(str(path)),
                                  hint="it records the graph the run used; without it the resume cannot be checked")) from None
     a, b = flatten(old), flatten(_jsonable(spec.resolved))
-    diffs = []
+    diffs, layout = [], []
     for k in sorted(set(a) | set(b)):
         if a.get(k, "<absent>") == b.get(k, "<absent>") or k in ALWAYS_OK or _memory_figure(k) or k in allow:
             continue
-        diffs.append(k)
+        (layout if layout_key(k) else diffs).append(k)
+    if layout and not diffs and os.environ.get("RANK", "0") == "0":
+        print(f"note: --resume {resume}: the layout changed ({', '.join(layout[:4])}"
+              f"{', ...' if len(layout) > 4 else ''}): the run continues on this graph's devices and ranks",
+              file=sys.stderr)
     if not diffs:
         return
     problems = []

@@ -1,0 +1,152 @@
+"""A data-parallel drafter (`[models.drafter] parallel = "ddp"`) under torchrun on CPU (gloo): graphs/tiny_dp.toml
+(2 targets feeding 2 drafter ranks, 4 ranks) and graphs/tiny_colocated.toml (2 ranks, each target + drafter) give
+the per-step losses and gradient norms of graphs/tiny.toml in one process, the same global batch, exactly: with 2
+drafter replicas and grad_accum = 1 the gradient all-reduce adds two addends, whose sum does not depend on the
+order, and every scale is a power of two (docs/distributed.md, "Data-parallel drafters"). A run saved on 2 drafter
+ranks (a DCP checkpoint) resumes on 1, and the other way round; a killed drafter rank stops every rank, named.
+
+Every launch runs in its own session and is killed with its whole process group when the test ends, pass or fail
+(tests/test_distributed.py's `launched`).
+"""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from dflash_graph.cli.main import main
+
+from test_distributed import launched, session_gone, torchrun
+from test_run import read_metrics
+
+
+def _same(a, b, steps):
+    """Per step: loss and gradient norm equal (the tolerance is 0: see the module docstring)."""
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    for ra, rb in zip(a, b):
+        assert (ra["loss"], ra["grad_norm"]) == (rb["loss"], rb["grad_norm"]), (ra["step"], ra["loss"], rb["loss"])
+
+
+@pytest.mark.slow     # about 40 s on the shared 2-core machine, most of it two processes importing torch
+def test_tiny_colocated_on_two_ranks_equals_one_process(in_repo, tmp_path):
+    one, co = tmp_path / "one", tmp_path / "co"
+    small = ["--set", "dims.seq=128", "--set", "dims.anchors=8"]
+    assert main(["run", "graphs/tiny.toml", "--steps", "2", "--out", str(one), "--no-progress", *small]) == 0
+    code, out = torchrun(2, ["graphs/tiny_colocated.toml", "--steps", "2", "--out", str(co), *small], timeout=240)
+    assert code == 0, out
+    _same(read_metrics(one), read_metrics(co), 2)
+    assert all(set(r["ranks"]) == {"0", "1"} and r["ranks"]["1"]["busy_s"] > 0 for r in read_metrics(co))
+    ck = co / "checkpoint"
+    assert (ck / "drafter.dcp" / ".metadata").is_file() and (ck / "drafter.safetensors").is_file()
+    assert sorted(p.name for p in (ck / "drafter.dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (co / "export").is_dir()
+
+
+@pytest.mark.slow
+def test_tiny_dp_on_four_ranks_equals_one_process_and_resumes_on_one_drafter_rank(in_repo, tmp_path):
+    """Steps 1-2 on 2 drafter ranks (tiny_dp, 4 ranks), steps 3-4 resumed from its DCP checkpoint on 1 drafter
+    rank (tiny.toml, 3 ranks): the losses of 4 steps of tiny.toml in one process."""
+    one, dp = tmp_path / "one", tmp_path / "dp"
+    assert main(["run", "graphs/tiny.toml", "--steps", "4", "--out", str(one), "--no-progress"]) == 0
+    code, out = torchrun(4, ["graphs/tiny_dp.toml", "--steps", "2", "--out", str(dp)])
+    assert code == 0, out
+    assert set(read_metrics(dp)[0]["ranks"]) == {"0", "1", "2", "3"}
+    assert json.loads((dp / "ranks" / "rank2.json").read_text())["writer"] is True
+    assert not json.loads((dp / "ranks" / "rank3.json").read_text())["writer"]
+    code, out = torchrun(3, ["graphs/tiny.toml", "--steps", "4", "--out", str(dp), "--resume", str(dp)])
+    assert code == 0, out
+    assert "the layout changed" in out
+    _same(read_metrics(one), read_metrics(dp), 4)
+
+
+@pytest.mark.slow
+def test_a_one_rank_checkpoint_resumes_on_two_drafter_ranks(in_repo, tmp_path):
+    """The other way: a checkpoint of one drafter rank (the whole optimizer in trainer.pt) resumed in one process
+    on tiny_dp's 2 drafter devices, then under torchrun on its 2 drafter ranks."""
+    one, run = tmp_path / "one", tmp_path / "run"
+    assert main(["run", "graphs/tiny.toml", "--steps", "3", "--out", str(one), "--no-progress"]) == 0
+    assert main(["run", "graphs/tiny.toml", "--steps", "1", "--out", str(run), "--no-progress"]) == 0
+    assert main(["run", "graphs/tiny_dp.toml", "--steps", "2", "--resume", str(run), "--no-progress"]) == 0
+    code, out = torchrun(4, ["graphs/tiny_dp.toml", "--steps", "3", "--resume", str(run)])
+    assert code == 0, out
+    _same(read_metrics(one), read_metrics(run), 3)
+
+
+def test_fsdp_is_refused_by_run_with_its_toml_path(in_repo, tmp_path, monkeypatch, capsys):
+    """parallel = "fsdp" is predicted by check but not trained by run yet: one located refusal, before any
+    process group, printed by local rank 0 (the same verdict on every rank)."""
+    from dflash_graph.exec import distributed as D
+
+    exits = []
+
+    def _exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(D.os, "_exit", _exit)
+    monkeypatch.setattr(D.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(D, "VERDICT_WAIT", 0.0)
+    for k, v in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit):
+        main(["run", "graphs/tiny_dp.toml", "--set", "models.drafter.parallel=fsdp", "--out", str(tmp_path / "r"),
+              "--no-progress"])
+    err = capsys.readouterr().err
+    assert exits == [2]
+    assert "error at models.drafter.parallel" in err and 'declares parallel = "fsdp"' in err, err
+    assert 'expected: "ddp"' in err and 'hint: declare parallel = "ddp"' in err, err
+    assert "Traceback" not in err
+
+
+def test_a_trainable_model_on_two_ranks_without_parallel_is_refused_with_the_fix(in_repo, tmp_path, monkeypatch,
+                                                                                  capsys):
+    from dflash_graph.exec import distributed as D
+
+    monkeypatch.setattr(D.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(D.signal, "signal", lambda *a: None)
+    for k, v in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    text = (in_repo / "graphs" / "tiny_dp.toml").read_text().replace('"tiny/', f'"{in_repo}/graphs/tiny/')
+    graph = tmp_path / "no_parallel.toml"
+    graph.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("parallel =")))
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(graph), "--out", str(tmp_path / "r"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "error at models.drafter" in err and "the trainable model's nodes run on ranks [2, 3]" in err, err
+    assert 'declare parallel = "ddp" in [models.drafter]' in err, err
+
+
+@pytest.mark.slow
+def test_a_killed_drafter_rank_stops_every_rank_named(in_repo, tmp_path):
+    """SIGKILL of drafter rank 3 (d1) after step 2: every other rank (both targets and the other drafter
+    replica, which waits in the gradient all-reduce or the step's gather) names it and exits, within 60 s, and no
+    process of the launch is left."""
+    out = tmp_path / "run"
+    with launched(["--standalone", "--nproc-per-node", "4"],
+                  ["graphs/tiny_dp.toml", "--steps", "500", "--out", str(out)]) as p:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() < deadline, "the run never reached step 2"
+            time.sleep(0.2)
+        pids = [json.loads((out / "ranks" / f"rank{k}.json").read_text())["pid"] for k in range(4)]
+        os.kill(pids[3], signal.SIGKILL)
+        t0 = time.monotonic()
+        text, _ = p.communicate(timeout=120)
+        elapsed = time.monotonic() - t0
+        gone = session_gone(p.pid)
+    print(f"\nSIGKILL of drafter rank 3: torchrun exited {p.returncode} after {elapsed:.1f} s")
+    assert p.returncode != 0 and elapsed < 60
+    assert gone, "a process of the run is still alive"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    reports = [ln for ln in text.splitlines() if ln.startswith("dflash-graph: rank")]
+    assert {ln.split()[2] for ln in reports} == {"0", "1", "2"}, text
+    for ln in reports:
+        assert "lost rank 3 (d1; pid" in ln and "killed (SIGKILL" in ln, ln
+    writer = next(ln for ln in reports if ln.startswith("dflash-graph: rank 2 (d0)"))
+    assert "checkpoint of step" in writer and "--resume" in writer, writer
