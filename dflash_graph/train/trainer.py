@@ -318,6 +318,13 @@ class Trainer:
                                              "cursor, before per-replica shards)", None,
                                              hint="start a new run in another --out directory"))
                 self.start_step = int(state["step"])
+                if int(state.get("replicas", R)) != R:     # a layout may change on resume, the data split may not
+                    raise GraphError(Problem(
+                        f"--resume {opts.resume}: the run trained {state['replicas']} replicas per micro-batch (each "
+                        f"on its own data shard), this graph's groups make {R}", spec.loc("groups"),
+                        expected=f"{state['replicas']} replicas", actual=f"{R} replicas",
+                        hint="resume with groups of the run's size (the drafter's group may differ: "
+                             "docs/distributed.md, \"Data-parallel drafters\"), or start a new run"))
                 self.steps, self.schedule_steps, note = resumed_steps(opts.resume, state, opts.steps,
                                                                       int(self.cfg["steps"]))
                 if note and self.is_writer:
@@ -844,7 +851,8 @@ class Trainer:
             checkpoint.save(out, step, self.store.drafters, self.opt, self.sched,
                             {"batches": step * self.accum}, self.interp.generator,
                             {"graph": self.plan.typed.ctx.spec.name, "steps": self.steps,
-                             "schedule_steps": self.schedule_steps, "stats": self.stats.state_dict()}, self.masters,
+                             "schedule_steps": self.schedule_steps, "stats": self.stats.state_dict(),
+                             "replicas": self.launch.replicas}, self.masters,
                             keep=int(self.cfg.get("keep_checkpoints") or 3), sharded=sharded)
         except checkpoint.NonFiniteWeights as e:
             saved = checkpoint.newest_complete(out)
