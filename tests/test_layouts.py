@@ -9,7 +9,6 @@ import pytest
 from dflash_graph.analysis.launch import analyze_launch, device_for
 from dflash_graph.analysis.parallel import data_parallel
 from dflash_graph.cli.main import main
-from dflash_graph.errors import GraphError
 from dflash_graph.analysis.infer import build, infer
 from dflash_graph.rewrite.pipeline import compile_graph, compile_typed
 from dflash_graph.spec.loader import parse_graph
@@ -55,15 +54,6 @@ def test_check_launch_accepts_a_parallel_model_on_several_ranks(in_repo, monkeyp
     assert writer_ranks(typed, L) == {2, 3}
     monkeypatch.setenv("WORLD_SIZE", "4")
     check_launch(typed, L)     # one rank per replica: no refusal
-
-
-def test_run_refuses_a_parallel_model_until_it_trains_one(in_repo, capsys, tmp_path):
-    assert main(["run", "graphs/tiny_dp.toml", "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("graphs/tiny_dp.toml:")
-    assert "error at models.drafter.parallel" in err
-    assert "data-parallel training runs under torchrun: not yet" in err and "Traceback" not in err
-    assert not (tmp_path / "run").exists()
 
 
 def test_bandwidths_are_declared_and_parsed(in_repo):

@@ -83,14 +83,6 @@ def _cmd_run(args, stage: dict) -> int:
     plan = compile_graph(args.graph, [*args.overrides, *host, *mapped_overrides(args, host)], rewrite=not args.no_rewrite,
                          rules_off=args.rules_off)
     spec = plan.typed.ctx.spec
-    # NOTE [Data-parallel run]: check predicts a `parallel` model (issue 24); run does not train one yet. This is
-    # the one refusal of it: delete it when the trainer runs DDP/FSDP2 under torchrun.
-    dp = next((m for m in spec.models.values() if m.parallel), None)
-    if dp is not None:
-        raise GraphError(Problem(f"model '{dp.name}' declares parallel = {dp.parallel!r}: data-parallel training runs "
-                                 "under torchrun: not yet", spec.loc("models", dp.name, "parallel"),
-                                 hint="`dflash-graph check GRAPH --layouts` predicts it; to train today, remove "
-                                      "`parallel` and place the model's nodes on one device"))
     if distributed:   # a launch of the wrong size is the first thing to fix: refused before the report
         from ..analysis.launch import analyze_launch
         from ..exec.distributed import check_launch
