@@ -149,6 +149,10 @@ def test_head_chunk_is_liger_rule():
     assert costs.head_chunk(8192, 5120, 248320) == 256          # cdiv(V, H) = 49, cdiv(8192, 49) = 168 -> 256
     assert costs.head_chunk(4096 * 4, 4096, 32000) == 2048      # Liger's own example (fused_linear_cross_entropy.py)
     assert costs.head_chunk(1024, 256, 248320) == costs.MIN_CHUNK_ROWS == 32   # the rule's 2, floored
+    # ce: floored at 128 rows (NOTE [ce chunk floor]: its GEMMs set its time); the rule passes the resolved kind
+    assert costs.head_chunk(1024, 512, 32000, "ce") == costs.HEAD_CE_MIN_CHUNK_ROWS == 128
+    assert costs.head_chunk(1024, 512, 32000, "kl") == 32 and costs.head_chunk(64, 128, 768, "ce") == 64
+    assert costs.head_chunk(8192, 5120, 248320, "ce") == 256
     assert costs.loss_chunk(1024) == 32 and costs.loss_chunk(8192) == 256 and costs.loss_chunk(10) == 10
     assert costs.head_chunk(3, 4, 1000) == 3 and costs.head_chunk(5, 1000, 10) == 5   # capped at the rows
 

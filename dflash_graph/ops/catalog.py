@@ -426,7 +426,8 @@ _LOSS = declare(OpDef(
                   fuses_heads=FusesHeads("logits", "target", "fused_head_loss", "x", "target_x",
                                          params=lambda p, rows, hidden, vocab: {
                                              **{k: p[k] for k in ("objective", *OBJECTIVE_DEFAULTS) if k in p},
-                                             "chunk": costs.head_chunk(rows, hidden, vocab)})),
+                                             "chunk": costs.head_chunk(rows, hidden, vocab,
+                                                                       resolve_objective(p)["kind"])})),
     cost=costs.loss,
     impl=f"{IMPL}:loss",
 ))

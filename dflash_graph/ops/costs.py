@@ -431,6 +431,15 @@ def loss(c: CostContext) -> NodeCost:
 MIN_CHUNK_ROWS = 32
 LOSS_CHUNK_SHARE = 32
 
+# NOTE [ce chunk floor]: the fused op floors a ce chunk at 128 rows. Past its GEMMs a ce chunk does one
+# log-softmax over the drafter's rows (LOSS_CHUNK_BUFFERS: one [chunk, vocab] buffer, where kl has five), so the
+# GEMMs set its time, and a GEMM's time per row grows as its rows shrink (each call packs all of W again). Measured
+# on one CPU thread at H 512, V 32,000, 1,024 rows: both heads' [2c, hidden] x [hidden, vocab] took 1.5x, and the
+# gradient's [c, vocab] x [vocab, hidden] 1.6x, as long at c = 32 as at c = 128, which is as fast as one GEMM over
+# all the rows; the whole step at H 512 / T 2,048 / 64 x 16 (benchmarks/reference_peers.py) went from 1.05x
+# speculators' CPU time to below it (benchmarks/README.md). The other kinds keep NOTE [Chunk floor]'s 32 rows.
+HEAD_CE_MIN_CHUNK_ROWS = 128
+
 
 def loss_chunk(rows: int) -> int:
     """Rows per chunk for the loss op when its `chunk` param is 0: a power of two near rows / LOSS_CHUNK_SHARE,
@@ -443,18 +452,20 @@ def loss_chunk(rows: int) -> int:
     return max(1, min(max(1 << (c.bit_length() - 1), MIN_CHUNK_ROWS), rows))
 
 
-def head_chunk(rows: int, hidden: int, vocab: int) -> int:
+def head_chunk(rows: int, hidden: int, vocab: int, kind: str = "kl") -> int:
     """Rows per chunk for fused_head_loss when its `chunk` param is 0: Liger Kernel's rule, which keeps a
     [chunk, vocab] block about the size of the [rows, hidden] input (liger_kernel/ops/fused_linear_jsd.py and
     fused_linear_cross_entropy.py: inc_factor = cdiv(V, H); chunk_size = next_power_of_2(cdiv(BT, inc_factor))),
-    with a floor of MIN_CHUNK_ROWS rows, capped at the rows there are. The floor (NOTE [Chunk floor]): every
+    with a floor of MIN_CHUNK_ROWS rows (HEAD_CE_MIN_CHUNK_ROWS for ce: NOTE [ce chunk floor]), capped at the
+    rows there are. The floor (NOTE [Chunk floor]): every
     chunk's GEMMs read all of W, so a chunk of a few rows (the rule gives 2 at 1,024 rows, H 256, V 248,320)
     re-reads W hundreds of times; Liger's current code floors at 512 rows under a 2 GiB budget for four fp32
     [chunk, V] buffers.
     qwen27b.toml: 8,192 rows, H 5,120, V 248,320 -> cdiv 49 -> 168 -> 256."""
     inc = -(-vocab // hidden)
     c = -(-rows // inc)
-    return max(1, min(max(1 << (c - 1).bit_length(), MIN_CHUNK_ROWS), rows))
+    floor = HEAD_CE_MIN_CHUNK_ROWS if kind == "ce" else MIN_CHUNK_ROWS
+    return max(1, min(max(1 << (c - 1).bit_length(), floor), rows))
 
 
 def block_chunk(chunk: int, block: int, weighting: str) -> int:
@@ -488,7 +499,7 @@ def fused_head_loss(c: CostContext) -> NodeCost:
     rows = x.numel // h
     v = c.model_dims.vocab_size
     kind = c.node.params.get("kind", "kl")
-    chunk = int(c.node.params.get("chunk") or 0) or head_chunk(rows, h, v)
+    chunk = int(c.node.params.get("chunk") or 0) or head_chunk(rows, h, v, kind)
     chunk = min(block_chunk(min(chunk, rows), x.sizes[-2], c.node.params.get("weighting", "decay")), rows)
     cd = max(c.dtype_bytes, 4)
     same, upcast = LOSS_CHUNK_BUFFERS[kind]

@@ -466,7 +466,7 @@ def fused_head_loss(c, x, target_x=None, valid=None, labels=None):
     weight = head.weight
     obj = objective(c.params)
     a, b, h = x.shape
-    chunk = int(c.params.get("chunk") or 0) or head_chunk(a * b, h, weight.shape[0])
+    chunk = int(c.params.get("chunk") or 0) or head_chunk(a * b, h, weight.shape[0], obj.kind)
     chunk = block_chunk(min(chunk, a * b), b, obj.weighting)
     w = row_weights(b, obj.gamma, valid, obj.weighting)
     mask = scored_slots(valid)
