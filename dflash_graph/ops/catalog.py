@@ -11,6 +11,7 @@ from typing import Any
 from ..ir.graph import Node, Ref
 from ..models.registry import TARGET_ARCHS
 from . import costs
+from .objective import OBJECTIVE_DEFAULTS, OBJECTIVE_PRESETS, resolve_objective, trains_own
 from .contract import (AtMost, BindContext, FusesHeads, IndexRemap, LinearHead, OpDef, Param, Port, PortsExample,
                        ReadsLayers, Selection, Traits)
 
@@ -303,56 +304,6 @@ declare(OpDef(
 
 # -- the objective: labels, normalisation, per-slot weighting, as declared choices and presets (docs/drafter.md) --
 
-#: the loss params an objective preset sets, and the project's own defaults for them
-OBJECTIVE_DEFAULTS: dict[str, Any] = {"kind": "kl", "gamma": 7.0, "labels": "verifier", "normalize": "weights",
-                                      "weighting": "decay", "dpace_alpha": 0.5}
-
-#: each reference's defaults for a DFlash drafter (the final norm, the fourth choice, is the graph's: the drafter's
-#: own trainable norm where its `shares` leave `norm` out; docs/drafter.md "The objective"):
-#: speculators 0.9.0 `train/config/schema.py` (TrainConfig._resolve_derived_defaults: loss_fn ce and
-#: per_position_loss_weight dpace for dflash; DFlashArgs: dpace_alpha 0.5, dflash_decay_gamma 4.0) and
-#: `losses/utils.py` loss_function (sum over the scored slots' count); SpecForge 0.2.0 `config/schema.py`
-#: (loss_type "dflash", loss_decay_gamma None: no decay) and `algorithms/common/dflash_family_model.py`
-#: OnlineDFlashModel.forward (labels input_ids[anchor + k], cross-entropy, over the weights' sum).
-OBJECTIVE_PRESETS: dict[str, dict[str, Any]] = {
-    "own": {},
-    "speculators": {"kind": "ce", "gamma": 4.0, "labels": "verifier", "normalize": "count", "weighting": "dpace",
-                    "dpace_alpha": 0.5},
-    "specforge": {"kind": "ce", "labels": "data", "normalize": "weights", "weighting": "uniform"},
-}
-
-
-#: the fourth choice of a preset: the final norm. The references' drafters train their own (speculators 0.9.0
-#: `models/dflash/core.py` DFlashDraftModel: `self.norm = Qwen3RMSNorm(...)`; SpecForge 0.2.0 DFlashDraftModel.
-#: forward returns `self.norm(hidden_states)`); a graph declares it on the drafter (`shares` without `norm`)
-OWN_NORM = {"speculators": "speculators' DFlashDraftModel trains its own final norm (models/dflash/core.py)",
-            "specforge": "SpecForge's DFlashDraftModel trains its own final norm (DFlashDraftModel.forward)"}
-
-
-def _trains_own(params: Mapping[str, Any]) -> Mapping[str, str]:
-    name = params.get("objective", "own")
-    return {"norm": f"objective = {name!r}: {OWN_NORM[name]}"} if name in OWN_NORM else {}
-
-
-def resolve_objective(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The loss node's objective: its params, with a preset's values where `objective` names one. A param set to
-    something other than both the project's default and the preset's value is refused (ValueError, with the fix),
-    as are combinations no reference defines (D-PACE or data labels with a loss other than ce)."""
-    name = params.get("objective", "own")
-    preset = OBJECTIVE_PRESETS[name]
-    out = {k: params.get(k, d) for k, d in OBJECTIVE_DEFAULTS.items()}
-    for k, v in preset.items():
-        if out[k] != OBJECTIVE_DEFAULTS[k] and out[k] != v:
-            raise ValueError(f"objective = {name!r} sets {k} = {v!r}, but the node sets {k} = {out[k]!r}; "
-                             f"fix: drop {k} from the node's params, or set objective = \"own\" and each choice")
-        out[k] = v
-    if out["kind"] != "ce" and (out["weighting"] == "dpace" or out["labels"] == "data"):
-        why = "weighting = 'dpace'" if out["weighting"] == "dpace" else "labels = 'data'"
-        raise ValueError(f"{why} needs kind = 'ce' (got {out['kind']!r}): D-PACE weighs the drafter's probability "
-                         "of one label, and the data gives one token, not a distribution; fix: set kind = \"ce\"")
-    return out
-
-
 def _labels_of(params: Mapping[str, Any]) -> str:
     try:
         return resolve_objective(params)["labels"]
@@ -422,7 +373,7 @@ _LOSS = declare(OpDef(
     example=PortsExample((("labels", "verifier"),), "labels = 'data': the input `target` is `labels` "
                          "[anchors block] int64"),
     validate=_check_objective,
-    traits=Traits(sink=True, pure=False, trains_own=_trains_own,
+    traits=Traits(sink=True, pure=False, trains_own=trains_own,
                   fuses_heads=FusesHeads("logits", "target", "fused_head_loss", "x", "target_x",
                                          params=lambda p, rows, hidden, vocab: {
                                              **{k: p[k] for k in ("objective", *OBJECTIVE_DEFAULTS) if k in p},
@@ -454,7 +405,7 @@ declare(OpDef(
     components=("lm_head",),
     bind=_lm_bind,
     validate=_check_objective,
-    traits=Traits(sink=True, pure=False, trains_own=_trains_own),
+    traits=Traits(sink=True, pure=False, trains_own=trains_own),
     cost=costs.fused_head_loss,
     impl=f"{IMPL}:fused_head_loss",
 ))

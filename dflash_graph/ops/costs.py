@@ -14,6 +14,7 @@ import attrs
 
 from ..ir.graph import Node
 from ..ir.types import TensorType
+from .objective import resolve_objective
 
 
 @attrs.frozen
@@ -411,11 +412,12 @@ def loss(c: CostContext) -> NodeCost:
     x = c.inputs["logits"]
     v = x.sizes[-1]
     rows = x.numel // v
+    obj = resolve_objective(c.node.params)      # the node's choices, with its preset's values
     chunk = min(int(c.node.params.get("chunk") or 0) or loss_chunk(rows), rows)
-    chunk = min(block_chunk(chunk, x.sizes[-2], c.node.params.get("weighting", "decay")), rows)
+    chunk = min(block_chunk(chunk, x.sizes[-2], obj["weighting"]), rows)
     width = x.nbytes // max(x.numel, 1)
     cd = max(width, 4)
-    same, upcast = LOSS_CHUNK_BUFFERS[c.node.params.get("kind", "kl")]
+    same, upcast = LOSS_CHUNK_BUFFERS[obj["kind"]]
     n = same if width >= 4 else upcast
     per_row = rows * cd + rows          # losses and hits
     program = (("alloc", "rows", per_row), ("alloc", "chunk", n * chunk * v * cd), ("free", "chunk", 0),
@@ -498,9 +500,10 @@ def fused_head_loss(c: CostContext) -> NodeCost:
     h = x.sizes[-1]
     rows = x.numel // h
     v = c.model_dims.vocab_size
-    kind = c.node.params.get("kind", "kl")
+    obj = resolve_objective(c.node.params)      # the node's choices, with its preset's values
+    kind = obj["kind"]
     chunk = int(c.node.params.get("chunk") or 0) or head_chunk(rows, h, v, kind)
-    chunk = min(block_chunk(min(chunk, rows), x.sizes[-2], c.node.params.get("weighting", "decay")), rows)
+    chunk = min(block_chunk(min(chunk, rows), x.sizes[-2], obj["weighting"]), rows)
     cd = max(c.dtype_bytes, 4)
     same, upcast = LOSS_CHUNK_BUFFERS[kind]
     n = same if c.dtype_bytes >= 4 else upcast

@@ -165,16 +165,16 @@ def acceptance_counts(hit: Tensor, valid: Tensor) -> Tensor:
     return run.sum(0).to(torch.float32)
 
 
-# -- the objective (ops/catalog.py resolve_objective: labels, normalisation, per-slot weighting) ------------------
+# -- the objective (ops/objective.py resolve_objective: labels, normalisation, per-slot weighting) ------------------
 
 def objective(params) -> Objective:
-    from .catalog import resolve_objective
+    from .objective import resolve_objective
 
     return Objective(**resolve_objective(params))
 
 
 class Objective:
-    """The loss node's objective, resolved from its params and preset (ops/catalog.py resolve_objective)."""
+    """The loss node's objective, resolved from its params and preset (ops/objective.py resolve_objective)."""
 
     def __init__(self, kind: str, gamma: float, labels: str, normalize: str, weighting: str, dpace_alpha: float):
         self.kind, self.gamma, self.labels = kind, float(gamma), labels
