@@ -617,11 +617,6 @@ def check_launch(typed, launch: Launch, writers: set[int] | None = None) -> None
                                     actual=f"{len(writers)} ranks and no parallel",
                                     hint=f"declare parallel = \"ddp\" in [models.{name}] (one replica per rank, "
                                          "gradients averaged), or give the drafter's devices one rank"))
-        elif mode == "fsdp":
-            problems.append(Problem(
-                f"model '{name}' declares parallel = \"fsdp\", which run does not train yet: only \"ddp\" does "
-                "(check predicts both)", spec.loc("models", name, "parallel"), expected='"ddp"', actual='"fsdp"',
-                hint=f"declare parallel = \"ddp\" in [models.{name}] to run this layout now"))
     grads = grad_nodes(typed)
     by_dst: dict[tuple[int, int], set[int]] = {}
     for t in launch.transfers:

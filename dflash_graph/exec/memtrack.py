@@ -42,6 +42,8 @@ class LiveTracker(TorchDispatchMode):
     def _add(self, t: torch.Tensor, device: str | None) -> None:
         if device is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
+        if hasattr(t, "to_local"):    # a DTensor (a sharded drafter): its local shard is counted as it is made
+            return
         st = t.untyped_storage()
         key = st.data_ptr() if st.nbytes() else id(st)
         if key in self._refs and self._refs[key][0]() is not None:

@@ -224,7 +224,8 @@ class ModelStore:
         tensors = list(mod.parameters()) + list(mod.buffers())
         if role == "trainable":
             tensors.append(mod.embed.weight)
-        return tensors
+        # a sharded drafter's parameters (FSDP2 DTensors): the shard this process holds
+        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
     def drop_unused_heads(self) -> None:
         """A full model whose lm_head no node on that torch device uses does not keep it (after the rewrite that

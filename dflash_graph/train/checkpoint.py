@@ -114,15 +114,31 @@ class NonFiniteWeights(ValueError):
     """A tensor about to be checkpointed holds a NaN or an infinity; nothing was written."""
 
 
-def nonfinite_tensors(drafters: dict[str, torch.nn.Module], masters=()) -> list[str]:
-    """Names of the drafters' parameters and buffers (and fp32 masters) that hold a NaN or an infinity."""
+def _local(v: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (FSDP2 DTensor) tensor; any other tensor as it is."""
+    return v.to_local() if hasattr(v, "to_local") else v
+
+
+def _like(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A whole saved tensor laid out as the live tensor `p`: this rank's shard of it where `p` is a DTensor (a
+    sharded drafter, NOTE [Sharded drafter] in train/trainer.py; cut locally, no collective), else `v`."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor) and not isinstance(v, DTensor) and tuple(v.shape) == tuple(p.shape):
+        return distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    return v
+
+
+def nonfinite_tensors(drafters, masters=()) -> list[str]:
+    """Names of the drafters' parameters and buffers (and fp32 masters) that hold a NaN or an infinity. `drafters`:
+    modules, or their whole state dicts (a sharded drafter's, gathered); a sharded master: this rank's shard."""
     bad = []
     for name, m in drafters.items():
-        for k, v in m.state_dict().items():
-            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+        for k, v in (m if isinstance(m, dict) else m.state_dict()).items():
+            if v.is_floating_point() and not bool(torch.isfinite(_local(v)).all()):
                 bad.append(f"{name}.{k}")
     for i, v in enumerate(masters):
-        if v.is_floating_point() and not bool(torch.isfinite(v.detach()).all()):
+        if v.is_floating_point() and not bool(torch.isfinite(_local(v.detach())).all()):
             bad.append(f"fp32 master {i}")
     return bad
 
@@ -212,8 +228,9 @@ def _restore_sharded(ck: Path, drafters, optimizer, masters, params, group) -> N
 
 def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimizer, scheduler,
          data_state: dict, generator: torch.Generator, extra: dict[str, Any], masters=(), keep: int = 3,
-         sharded: Path | None = None) -> Path:
-    bad = nonfinite_tensors(drafters, masters)
+         sharded: Path | None = None, weights: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """`weights`: a sharded drafter's whole weights, gathered by every drafter rank (its modules hold shards)."""
+    bad = nonfinite_tensors(weights or drafters, masters)
     if bad:
         raise NonFiniteWeights(f"refusing to save the checkpoint of step {step}: {len(bad)} tensor(s) hold NaN or "
                                f"infinite values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
@@ -227,7 +244,7 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
     try:
         if sharded is not None:
             os.rename(sharded, tmp / DCP_DIR)
-        _write_step(tmp, step, drafters, optimizer, scheduler, data_state, generator, extra, masters,
+        _write_step(tmp, step, weights or drafters, optimizer, scheduler, data_state, generator, extra, masters,
                     sharded is not None)
     except BaseException:      # a full disk, an unwritable directory, Ctrl-C: no half-written step is left behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -254,7 +271,8 @@ def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state
                 sharded: bool = False) -> None:
     files = sorted(f"{DCP_DIR}/{p.name}" for p in (tmp / DCP_DIR).iterdir()) if sharded else []
     for name, m in drafters.items():
-        save_tensors({k: v.detach().contiguous().cpu() for k, v in m.state_dict().items()}, tmp / f"{name}.safetensors",
+        sd = m if isinstance(m, dict) else m.state_dict()
+        save_tensors({k: v.detach().contiguous().cpu() for k, v in sd.items()}, tmp / f"{name}.safetensors",
                       {"step": str(step), "format": "dflash-graph drafter"})
         files.append(f"{name}.safetensors")
     _reached("weights-written", step)
@@ -455,7 +473,8 @@ def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler
             raise GraphError(Problem(f"this checkpoint does not fit the drafter '{name}' the graph builds: {diff}",
                                      Location(str(path)), hint=hint))
         dev = next(m.parameters()).device
-        m.load_state_dict({k: v.to(dev) for k, v in state.items()})
+        live = m.state_dict()
+        m.load_state_dict({k: _like(v.to(dev), live[k]) for k, v in state.items()})
     import pickle
 
     try:
@@ -472,6 +491,11 @@ def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler
             _restore_sharded(ck, drafters, optimizer, masters, params, group)
         else:
             optimizer.load_state_dict(blob["optimizer"])
+            for p in masters:    # a whole optimizer (one rank's) into a sharded drafter: each rank its shard
+                st = optimizer.state.get(p, {})
+                for k, v in st.items():
+                    if torch.is_tensor(v):
+                        st[k] = _like(v, p)
         scheduler.load_state_dict(blob["scheduler"])
         generator.set_state(blob["generator"])
         saved_masters = blob.get("masters", []) if blob.get("optimizer") is not None else []
@@ -482,7 +506,7 @@ def restore(ck: Path, drafters: dict[str, torch.nn.Module], optimizer, scheduler
                 if tuple(m.shape) != tuple(saved.shape):
                     raise ValueError(f"fp32 master {i} has shape {list(saved.shape)} in the checkpoint, "
                                      f"{list(m.shape)} in the drafter")
-                m.copy_(saved.to(m.device))
+                m.copy_(_like(saved.to(m.device), m))
     except (ValueError, KeyError, RuntimeError) as e:   # the optimizer state of another drafter
         raise GraphError(Problem(f"checkpoint {ck}/trainer.pt does not fit this graph's optimizer: "
                                  f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",

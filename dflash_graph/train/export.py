@@ -36,7 +36,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def state_dict(drafter, target_norm_weight: torch.Tensor, dtype: torch.dtype, norm_plus_one: bool
                ) -> dict[str, torch.Tensor]:
-    out = {export_name(k): v.detach().to("cpu", torch.float32) for k, v in drafter.state_dict().items()}
+    sd = drafter if isinstance(drafter, dict) else drafter.state_dict()   # or a sharded drafter's, gathered
+    out = {export_name(k): v.detach().to("cpu", torch.float32) for k, v in sd.items()}
     if "norm.weight" not in out:     # the drafter trains its own final norm: its weight is written as is
         w = target_norm_weight.detach().to("cpu", torch.float32)
         out["norm.weight"] = 1.0 + w if norm_plus_one else w.clone()
@@ -105,7 +106,8 @@ def export_trainer(trainer, out: Path, dtype: str = "bfloat16") -> Path:
     drafter = store.drafters[name]
     tdev = str(next(drafter.parameters()).device)
     norm = store.component(name, "norm", tdev).weight
-    return export(drafter, trainer.plan.typed.ctx.models[name].dims, norm,
+    # a sharded drafter (parallel = "fsdp") holds 1/M of its weights: its whole weights, gathered at the last save
+    return export(trainer.whole_weights.get(name, drafter), trainer.plan.typed.ctx.models[name].dims, norm,
                   dict(trainer.plan.typed.ctx.models[target].config), out, dtype, name,
                   trainer.plan.typed.ctx.spec.loc("models", name, "config"),
                   norm_plus_one=ARCHS[trainer.plan.typed.ctx.models[target].spec.arch].norm_plus_one)

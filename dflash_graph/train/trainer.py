@@ -268,10 +268,13 @@ class Trainer:
         self.dp_ranks = sorted(writer_ranks) if self.comm is not None else [0]
         self.is_drafter = self.rank in self.dp_ranks
         self.dp_group = None
+        self.fsdp = False        # parallel = "fsdp": the drafter sharded with FSDP2 (NOTE [Sharded drafter])
+        self.whole_weights: dict[str, dict[str, torch.Tensor]] = {}
         if self.comm is not None and len(self.dp_ranks) > 1:
-            from ..exec.distributed import replica_group
+            from ..exec.distributed import parallel_model, replica_group
 
             self.dp_group = replica_group(self.dp_ranks, self.launch.backend)
+            self.fsdp = parallel_model(typed)[1] == "fsdp"
         self.seed = int(self.cfg["seed"])
         # data first, so a bad record is reported before any model is built: one shard per replica whose
         # token_input runs in this process; the held-out split where the whole graph runs in this process
@@ -298,6 +301,8 @@ class Trainer:
                                   track_memory=opts.track_memory and not local_cuda, local=local, comm=self.comm)
         if self.comm is not None:
             self.interp.on_node = self._on_node
+        if self.fsdp and self.is_drafter:
+            self._shard_fsdp()
         self.params = self.store.trainable_parameters() if self.is_drafter else []
         self.local_rs = [r for r in range(R) if self.interp._backward_device(r) is not None]
         self.loss_node = next(n.id for n in typed.graph.nodes     # the loss op, or the fused op that replaced it
@@ -337,7 +342,7 @@ class Trainer:
                     checkpoint.restore(ck, self.store.drafters, self.opt, self.sched, self.interp.generator,
                                        self.masters, group=self.dp_group)
                     self._take_allowed_changes()
-                if self.dp_group is not None:
+                if self.dp_group is not None and not self.fsdp:
                     self._wrap_ddp()
         except GraphError as e:   # under torchrun the other ranks wait for the step: tell them why there is none
             if self.comm is None:
@@ -386,6 +391,35 @@ class Trainer:
                 DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False}
             self.store.wrapped[name] = DistributedDataParallel(
                 m, process_group=self.dp_group, device_ids=[dev] if dev.type == "cuda" else None, **sync)
+
+    def _shard_fsdp(self) -> None:
+        """NOTE [Sharded drafter]: parallel = "fsdp" shards the drafter with FSDP2's fully_shard over the drafter
+        ranks' group: each DFlash layer a unit, the drafter's own final norm (which the graph's norm node calls
+        directly, outside the drafter's forward) a unit of its own so that calling it gathers its weight, then the
+        root (fc, hidden_norm). The embedding it borrows is not registered (DFlashDrafter._embed_ref) and stays
+        whole. Each rank then holds 1/M of every parameter as a DTensor shard, and so 1/M of the gradients, the
+        fp32 masters and the AdamW state; the forward all-gathers a unit's weights, the backward reduce-scatters
+        its gradients (averaged over the M ranks, as DDP's all-reduce). Done before the optimizer is made (it steps
+        the shards) and before a resume's restore (which loads into the shards: train/checkpoint.py)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        for m in self.store.drafters.values():
+            mesh = DeviceMesh.from_group(self.dp_group, next(m.parameters()).device.type)
+            for layer in m.layers:
+                fully_shard(layer, mesh=mesh)
+            if m.norm is not None:
+                fully_shard(m.norm, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+
+    def _gather_whole(self) -> None:
+        """Every drafter rank of a sharded drafter: the drafter's whole weights, all-gathered (collective), for the
+        writer's safetensors and export."""
+        from torch.distributed.tensor import DTensor
+
+        self.whole_weights = {name: {k: v.full_tensor() if isinstance(v, DTensor) else v
+                                     for k, v in m.state_dict().items()}
+                              for name, m in self.store.drafters.items()}
 
     def _take_allowed_changes(self) -> None:
         """After a checkpoint is restored: the graph's train.lr and train.weight_decay, which the optimizer's and
@@ -469,6 +503,9 @@ class Trainer:
                         acc_[1] += w
                 keep = frozenset([self.valid_ref]) if self.valid_ref is not None else frozenset()
                 # a data-parallel drafter averages its gradients at the last backward of the step only
+                if self.fsdp:
+                    for m in self.store.drafters.values():
+                        m.set_requires_gradient_sync((a, r) == last)
                 with ddp.no_sync() if ddp is not None and (a, r) != last else contextlib.nullcontext():
                     res = self.interp.run_replica(r, batch, keep=keep, generator=self._generator(step, a, r),
                                                   inbox=inbox, sends=self.routes[r])
@@ -532,7 +569,9 @@ class Trainer:
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
-        gnorm = float(torch.nn.utils.clip_grad_norm_(self.masters, float(self.cfg["grad_clip"])))
+        gnorm = torch.nn.utils.clip_grad_norm_(self.masters, float(self.cfg["grad_clip"]))
+        # over a sharded drafter's DTensor gradients the norm is a DTensor: the whole norm, on every drafter rank
+        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
         if skip is None and not math.isfinite(gnorm):
             skip = "non-finite gradient norm"
         if skip is None:
@@ -802,7 +841,14 @@ class Trainer:
 
         interrupt = lost is None or isinstance(lost, Interrupted)
         kept = ""
-        if self.is_writer and step > self.start_step:
+        if self.is_writer and step > self.start_step and self.fsdp:
+            # a sharded drafter's weights and optimizer are spread over its ranks: the writer alone holds 1/M
+            saved = checkpoint.newest_complete(self.opts.out)
+            kept = (f"the sharded drafter (fsdp) cannot be saved without every drafter rank: "
+                    f"{_last_good(saved, 'no checkpoint was saved before')}")
+            if saved:
+                kept += f"; continue with --resume {self.opts.out}"
+        elif self.is_writer and step > self.start_step:
             try:
                 self._save(step, collective=False)     # the writer alone: its peers may be gone
                 kept = f"checkpoint of step {step} saved to {self.opts.out / 'checkpoint'}; continue with " \
@@ -846,6 +892,8 @@ class Trainer:
                 gather_among(self.comm, step, self.dp_group, self.dp_ranks, "the start of a checkpoint")
                 sharded = checkpoint.save_sharded(out, step, self.store.drafters, self.opt, self.masters,
                                                   self.dp_group)
+                if self.fsdp:
+                    self._gather_whole()
             if not self.is_writer:
                 return
             checkpoint.save(out, step, self.store.drafters, self.opt, self.sched,
@@ -853,7 +901,8 @@ class Trainer:
                             {"graph": self.plan.typed.ctx.spec.name, "steps": self.steps,
                              "schedule_steps": self.schedule_steps, "stats": self.stats.state_dict(),
                              "replicas": self.launch.replicas}, self.masters,
-                            keep=int(self.cfg.get("keep_checkpoints") or 3), sharded=sharded)
+                            keep=int(self.cfg.get("keep_checkpoints") or 3), sharded=sharded,
+                            weights=self.whole_weights or None)
         except checkpoint.NonFiniteWeights as e:
             saved = checkpoint.newest_complete(out)
             kept = _last_good(saved, "no checkpoint was saved before")
