@@ -19,7 +19,7 @@ import pytest
 
 from dflash_graph.cli.main import main
 
-from test_distributed import launched, session_gone, torchrun
+from test_distributed import free_port, launched, session_gone, torchrun
 from test_run import read_metrics
 
 
@@ -187,3 +187,26 @@ def test_a_killed_drafter_rank_stops_every_rank_named(in_repo, tmp_path):
         assert "lost rank 3 (d1; pid" in ln and "killed (SIGKILL" in ln, ln
     writer = next(ln for ln in reports if ln.startswith("dflash-graph: rank 2 (d0)"))
     assert "checkpoint of step" in writer and "--resume" in writer, writer
+
+
+@pytest.mark.slow     # about 60 s on the shared 2-core machine
+def test_tiny_dp_on_two_nodes_through_a_c10d_rendezvous(in_repo, tmp_path):
+    """Two torchrun launches (--nnodes 2, 2 processes each) meeting at a c10d rendezvous on 127.0.0.1, with a rank
+    map that puts a target and a drafter replica on each "node" (t0, d0 on node 0; t1, d1 on node 1): every batch
+    stays on its node and the drafter's gradient all-reduce crosses them. The losses and gradient norms are those
+    of tiny.toml in one process, exactly (2 addends, as on one machine)."""
+    one, out = tmp_path / "one", tmp_path / "n"
+    assert main(["run", "graphs/tiny.toml", "--steps", "2", "--out", str(one), "--no-progress"]) == 0
+    port = free_port()
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "dp"]
+    ranks = [x for d, k in (("t0", 0), ("d0", 1), ("t1", 2), ("d1", 3)) for x in ("--set", f"devices.{d}.rank={k}")]
+    args = ["graphs/tiny_dp.toml", *ranks, "--steps", "2", "--out", str(out)]
+    with launched([*rdzv, "--node-rank", "0"], args) as a, launched([*rdzv, "--node-rank", "1"], args) as b:
+        ta, _ = a.communicate(timeout=300)
+        tb, _ = b.communicate(timeout=300)
+        assert a.returncode == 0 and b.returncode == 0, ta + tb
+    _same(read_metrics(one), read_metrics(out), 2)
+    mem = json.loads((out / "memory.json").read_text())
+    assert {d: v["rank"] for d, v in mem["devices"].items()} == {"t0": 0, "d0": 1, "t1": 2, "d1": 3}
+    assert json.loads((out / "ranks" / "rank1.json").read_text())["writer"] is True
