@@ -406,9 +406,9 @@ class Trainer:
 
         for m in self.store.drafters.values():
             mesh = DeviceMesh.from_group(self.dp_group, next(m.parameters()).device.type)
-            for layer in m.layers:
+            for layer in getattr(m, "layers", ()):
                 fully_shard(layer, mesh=mesh)
-            if m.norm is not None:
+            if getattr(m, "norm", None) is not None:
                 fully_shard(m.norm, mesh=mesh)
             fully_shard(m, mesh=mesh)
 
