@@ -12,7 +12,7 @@ import weakref
 from collections import defaultdict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -42,8 +42,8 @@ class LiveTracker(TorchDispatchMode):
     def _add(self, t: torch.Tensor, device: str | None) -> None:
         if device is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        if hasattr(t, "to_local"):    # a DTensor (a sharded drafter): its local shard is counted as it is made
-            return
+        if is_traceable_wrapper_subclass(t):   # a DTensor of a sharded drafter, an all-gather's async result:
+            return                             # the plain tensors inside are counted as they are made
         st = t.untyped_storage()
         key = st.data_ptr() if st.nbytes() else id(st)
         if key in self._refs and self._refs[key][0]() is not None:

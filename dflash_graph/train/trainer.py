@@ -404,6 +404,9 @@ class Trainer:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        # FSDP2 warns that the drafter's forward returns a view (its [A, B, H] hidden states): an in-place op on it
+        # would skip the backward's all-gather; the graph's nodes read it out of place (the norm node)
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         for m in self.store.drafters.values():
             mesh = DeviceMesh.from_group(self.dp_group, next(m.parameters()).device.type)
             for layer in getattr(m, "layers", ()):
