@@ -52,7 +52,7 @@ def test_intpoly_prints_as_sympy_and_computes_the_same_on_random_expressions():
     rng = random.Random(21)
     values = {n: rng.randint(2, 50) for n in NAMES}
     fast = 0
-    for _ in range(600):
+    for _ in range(300):        # 300 random expressions (600 took a tenth of the suite's slowest tests)
         text = random_expr(rng)
         if "-(" in text:
             continue           # unary minus is not dim syntax (evaluate refuses it); kept out of the comparison
@@ -66,7 +66,7 @@ def test_intpoly_prints_as_sympy_and_computes_the_same_on_random_expressions():
         assert str(expr) == str(want), text
         assert as_sympy(expr) == want, text
         assert int(want.subs({symbol(n): v for n, v in values.items()})) == val, text
-    assert fast > 150      # the comparison is not all fallbacks
+    assert fast > 75       # the comparison is not all fallbacks (a quarter of the draws at least)
 
 
 @pytest.mark.parametrize("text", ["seq*anchors - seq", "seq*block + anchors*block", "2*seq + 4", "5*seq*seq",

@@ -54,7 +54,8 @@ def test_kl_is_zero_when_the_drafter_matches():
 
 
 @pytest.mark.parametrize("kind", ["ce", "kl", "rkl", "jsd", "tv"])
-@pytest.mark.parametrize("chunk", [1, 7, 0])
+# one row per chunk (chunk 1) is the slowest gradcheck and checks what chunk 7 does: under -m slow
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 7, 0])
 def test_gradient_made_in_forward_is_autograds(kind, chunk):
     """The op's kept gradient against autograd through the plain formula (every row at once), fp64; and
     gradcheck of the op itself."""

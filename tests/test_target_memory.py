@@ -34,8 +34,10 @@ def cases(points):
         for name, point in named.items():
             for packing in ("documents", "mask"):
                 for body in (True, False):
+                    # the causal LM's forward holds the body's: the body alone under -m slow
                     out.append(pytest.param(arch, point, packing, body,
-                                            id=f"{name}-{packing}-{'body' if body else 'causal_lm'}"))
+                                            id=f"{name}-{packing}-{'body' if body else 'causal_lm'}",
+                                            marks=(pytest.mark.slow,) if body else ()))
     return out
 
 

@@ -18,10 +18,10 @@ def fits(dim, v, rewrite, overrides=()):
 
 @pytest.mark.parametrize("dim,rewrite,overrides", [
     ("seq", True, ()),
-    ("anchors", True, ()),
+    pytest.param("anchors", True, (), marks=pytest.mark.slow),       # the same search on another dim
     ("seq", False, ()),
-    ("anchors", False, ("dims.seq=32768",)),   # as written at seq 65,536 no anchor count fits (below)
-])
+    pytest.param("anchors", False, ("dims.seq=32768",), marks=pytest.mark.slow),   # as written at seq 65,536
+])                                                                                  # no anchor count fits
 def test_max_fits_and_the_next_value_does_not(in_repo, dim, rewrite, overrides):
     r = max_for_graph(G, list(overrides), f"dims.{dim}", rewrite=rewrite)
     assert r.value is not None and r.confirmed
