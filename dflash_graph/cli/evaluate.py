@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..errors import GraphError, Location, Problem
 from ..rewrite.pipeline import compile_graph
@@ -27,7 +28,7 @@ def run_record(d: Path) -> dict:
     return {}
 
 
-def _plan(graph: str | None, overrides: list[str], ckpt: Path):
+def _plan(graph: str | None, overrides: list[str], ckpt: Path, rewrite: bool = True):
     rec = run_record(ckpt)
     graph = graph or rec.get("graph")
     if graph is None:
@@ -35,16 +36,121 @@ def _plan(graph: str | None, overrides: list[str], ckpt: Path):
                                  "version)", Location(str(ckpt)),
                                  hint="pass --graph GRAPH (and the --set overrides the run used)"))
     same = rec.get("graph") and Path(rec["graph"]).resolve() == Path(graph).resolve()
-    return compile_graph(graph, [*(rec.get("overrides", []) if same else []), *overrides])
+    return compile_graph(graph, [*(rec.get("overrides", []) if same else []), *overrides], rewrite=rewrite)
 
 
-def cmd_eval(args) -> int:
+# -- the graph against the run ---------------------------------------------------------------------------------
+# What the drafter's weights and its decoding depend on: a difference in any of these evaluates another drafter
+# than the one trained (a block-4 drafter decoded at block 8 drafts 7 tokens it never learned to draft).
+DRAFTER_KEYS = ("block_size", "target_layer_ids", "mask_token_id", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+TARGET_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def _resolve(flat: dict[str, Any], v: Any, depth: int = 0) -> Any:
+    """A resolved config value as a number where the graph wrote a dim's name (`block`) or another model's key
+    (`target.hidden_size`): both graphs are compared by what their keys evaluate to, not by how they are written."""
+    if isinstance(v, str) and depth < 4:
+        if f"dims.{v}" in flat:
+            return _resolve(flat, flat[f"dims.{v}"], depth + 1)
+        model, _, key = v.partition(".")
+        if key and f"models.{model}.config.{key}" in flat:
+            return _resolve(flat, flat[f"models.{model}.config.{key}"], depth + 1)
+    return v
+
+
+def graph_differences(rec: dict, spec, drafter: str, target: str, ckpt: Path) -> list[Problem]:
+    """Each key the drafter's weights or decoding depend on whose value in this graph differs from the run's
+    (run.json's resolved graph of its latest invocation), as a located Problem; [] without a run.json."""
+    from ..train.rundir import _jsonable, flatten
+
+    try:
+        old = (rec.get("resumes") or [rec])[-1]["resolved"]
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return []
+    a, b = flatten(old), flatten(_jsonable(spec.resolved))
+    keys = [("models", drafter, "config", k) for k in DRAFTER_KEYS] + \
+           [("models", target, "config", k) for k in TARGET_KEYS] + [("models", target, "weights")]
+    out = []
+    for path in keys:
+        k = ".".join(path)
+        was, now = _resolve(a, a.get(k, "<absent>")), _resolve(b, b.get(k, "<absent>"))
+        if was == now:
+            continue
+        wrote = f" (written {b[k]!r})" if isinstance(b.get(k), str) and b[k] != now else ""
+        out.append(Problem(f"{k} is {now}{wrote} in this graph, {was} in the run that trained {ckpt}",
+                           spec.loc(*path), expected=f"{was} (the run's)", actual=str(now),
+                           hint="evaluate with the graph and --set flags the run used: omit GRAPH's --set flags "
+                                "that change it (eval reads run.json's graph and overrides when GRAPH is the same "
+                                "file)"))
+    return out
+
+
+# -- memory before loading -------------------------------------------------------------------------------------
+def eval_need(plan, drafter: str, target: str, tokens: int) -> dict[str, int]:
+    """Bytes eval holds on its device, by part, before any model is built: the target's weights (every component:
+    the decoder runs its whole causal LM), the drafter's own weights (not those it shares with the target), and
+    one forward's logits over the longest sequence (`tokens` positions x vocab, in the target's dtype; the
+    decoders compute the logits of every position). Parameter counts are each arch's `component_params`
+    (models/<arch>.py, the same counts check's memory model uses); tests/test_eval_bench.py compares them with
+    the parameters of the modules eval builds for tiny. A lower bound: temporaries inside a forward come on top."""
+    from ..models.registry import ARCHS
+    from ..units import DTYPE_BYTES
+
+    models = plan.typed.ctx.models
+    t, d = models[target], models[drafter]
+    tb = DTYPE_BYTES[t.spec.dtype]
+    target_w = sum(ARCHS[t.spec.arch].component_params(t.dims).values()) * tb
+    own = {c: n for c, n in ARCHS[d.spec.arch].component_params(d.dims).items() if c not in d.spec.shares}
+    vocab = int(getattr(t.dims, "vocab_size", 0) or 0)
+    return {"target weights": target_w, "drafter weights": sum(own.values()) * DTYPE_BYTES[d.spec.dtype],
+            "logits": tokens * vocab * tb}
+
+
+def _available(device: str, host_memory: str | None) -> tuple[int | None, str]:
+    """(bytes the eval device has free, where that figure comes from)."""
     import torch
 
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev.index or 0)
+        return free, f"free on {device} (torch.cuda.mem_get_info)"
+    if host_memory is not None:
+        from ..units import parse_bytes
+
+        try:
+            n = parse_bytes(host_memory)
+        except ValueError as e:
+            raise GraphError(Problem(f"--host-memory {e}", Location(flag=f"--host-memory {host_memory}"),
+                                     hint="e.g. --host-memory 64GiB")) from None
+        return n, "--host-memory"
+    from ..analysis.memory import host_available_bytes
+
+    n, src = host_available_bytes()
+    return n, f"this host's {src}"
+
+
+def memory_problem(plan, drafter: str, target: str, device: str, tokens: int,
+                   host_memory: str | None) -> Problem | None:
+    """The refusal, with the figures, when eval's weights and logits (eval_need) exceed what `device` has."""
+    from ..units import fmt_bytes
+
+    need = eval_need(plan, drafter, target, tokens)
+    have, src = _available(device, host_memory)
+    total = sum(need.values())
+    if have is None or total <= have:
+        return None
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in need.items())
+    return Problem(f"eval would need at least {fmt_bytes(total)} on {device} ({parts}), and {device} has "
+                   f"{fmt_bytes(have)} ({src}); nothing was loaded", Location(flag=f"--device {device}"),
+                   expected=f"at most {fmt_bytes(have)}", actual=fmt_bytes(total),
+                   hint="evaluate on a device that holds the target (--device cuda:N), or a smaller target; "
+                        "--host-memory SIZE if this host's figure is wrong")
+
+
+# -- eval ------------------------------------------------------------------------------------------------------
+def _flags(args) -> None:
     from ..exec.devices import device_problem
-    from ..train.data import load_data
-    from ..train.speculative import Decoder, held_out_prompts, measure
-    from ..train.trained import Trained
 
     why = device_problem(args.device)
     if why is not None:
@@ -55,44 +161,128 @@ def cmd_eval(args) -> int:
         if n < 1:
             raise GraphError(Problem(f"must be at least 1, got {n}", Location(flag=f"{flag} {n}"),
                                      hint=f"e.g. {flag} 16"))
+    for f in getattr(args, "bench", None) or []:
+        if not Path(f).is_file():
+            raise GraphError(Problem("no such file" if not Path(f).exists() else "not a file",
+                                     Location(flag=f"--bench {f}"),
+                                     hint="--bench takes a local JSONL file of a benchmark's records (nothing is "
+                                          "downloaded); graphs/tiny/bench/ has one per format"))
+    if getattr(args, "bench_format", None) and not getattr(args, "bench", None):
+        raise GraphError(Problem("--bench-format applies to --bench files, and none was given",
+                                 Location(flag=f"--bench-format {args.bench_format}"),
+                                 hint="add --bench FILE, or drop --bench-format"))
+
+
+def _bench_prompts(args, spec) -> tuple[list[tuple[str, str, str, list[list[int]]]], int | None]:
+    """(name, file, format, token-id prompts) per --bench file, through the chat template of the tokenizer the
+    graph's [data] uses; and that tokenizer's eos id."""
+    from ..train.bench import bench_name, prompt_ids, read_bench
+    from ..train.corpus import load_tokenizer
+
+    base = Path(spec.data.get("_base", "."))
+    if not spec.data.get("tokenizer"):
+        raise GraphError(Problem("--bench prompts are text, and the graph's [data] names no tokenizer to turn them "
+                                 "into the target's tokens", spec.loc("data"),
+                                 hint='[data] tokenizer = the target\'s tokenizer.json (or its directory)'))
+    ct = spec.data.get("chat_template")
+    tok = load_tokenizer(base / spec.data["tokenizer"], base / ct if ct else None)
+    taken: set[str] = set()
+    out = []
+    for f in args.bench:
+        fmt, convs = read_bench(Path(f), args.prompts, args.bench_format)
+        out.append((bench_name(Path(f), taken), f, fmt, prompt_ids(tok, convs, f)))
+    return out, tok.eos_token_id
+
+
+def _row(name: str, fmt: str, file: str | None, res: dict[str, Any]) -> dict[str, Any]:
+    lossless = res.get("lossless")
+    if lossless is None:
+        lossless = res["identical_to_greedy"] == res["prompts"]
+    return {"name": name, "format": fmt, "file": file, **res, "tau": res["tau"], "speedup": res["speedup"],
+            "accept_per_slot": res["slot_accept"], "lossless": lossless}
+
+
+def render_table(rows: list[dict[str, Any]], predicted: dict[str, Any] | None) -> str:
+    """One line per benchmark: tau, the accept rate of each slot, tokens per target forward, speed-up, lossless."""
+    head = ["benchmark", "prompts", "tau", "accept per slot", "tok/fwd", "speed-up", "lossless"]
+    body = [[r["name"], str(r["prompts"]), "-" if r["tau"] is None else f"{r['tau']:.2f}",
+             " ".join("-" if a is None else f"{a:.2f}" for a in r["accept_per_slot"]),
+             f"{r['tokens_per_target_forward']:.2f}", "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+             f"{r['identical_to_greedy']}/{r['prompts']}" if "identical_to_greedy" in r else str(r["lossless"])]
+            for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if predicted is not None:
+        lines.append(f"training predicted tau {predicted['tau']} (held-out, step {predicted['step']}; "
+                     "metrics.jsonl)")
+    else:
+        lines.append("training predicted no tau: the run's metrics.jsonl has no held-out evaluation")
+    return "\n".join(lines)
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from ..train.bench import heldout_tau
+    from ..train.data import load_data
+    from ..train.speculative import Decoder, held_out_prompts, measure
+    from ..train.trained import Trained, drafter_names
+
+    _flags(args)
     torch.set_num_threads(args.threads)
     from ..train.checkpoint import run_directory
 
     ckpt = run_directory(args.checkpoint, "--checkpoint")
-    plan = _plan(args.graph, args.overrides, ckpt)
+    plan = _plan(args.graph, args.overrides, ckpt, rewrite=False)   # eval runs the decoders, not the graph's nodes
     spec = plan.typed.ctx.spec
+    drafter, target = drafter_names(plan)
+    block = int(plan.typed.ctx.models[drafter].dims.block_size)
+    host_memory = getattr(args, "host_memory", None)
+    # before anything is read or built: the graph against the run's, and eval's memory against the device's
+    problems = graph_differences(run_record(ckpt), spec, drafter, target, ckpt)
+    mem = memory_problem(plan, drafter, target, args.device, args.prompt_tokens + args.max_new_tokens + block,
+                         host_memory)
+    if problems or mem:
+        raise GraphError([*problems, *([mem] if mem else [])])
     from ..spec.paths import require_paths
 
     require_paths(spec, "run")          # eval reads what run reads: the target's weights, corpus, tokenizer
+    benches, eos = _bench_prompts(args, spec) if args.bench else ([], None)
+    longest = max((len(p) for *_, ps in benches for p in ps), default=0)
+    if longest > args.prompt_tokens:    # a benchmark's prompts are longer than the first check assumed
+        mem = memory_problem(plan, drafter, target, args.device, longest + args.max_new_tokens + block, host_memory)
+        if mem:
+            raise GraphError(mem)
     from ..models.registry import kernel_notes
 
     for note in kernel_notes(plan.typed.ctx.models):
         print(note, file=sys.stderr)
     tr = Trained(plan, ckpt, args.device)
-    seq = int(tr.target.config.max_position_embeddings or 1 << 20)    # prompts come from whole documents
-    _, held = load_data(spec.data, Path(spec.data.get("_base", ".")), seq, int(spec.train["seed"]),
-                        int(tr.dims.vocab_size), spec.loc)
-    if held is None:
-        raise GraphError(Problem("eval decodes prompts from the held-out split, and the graph has none",
-                                 spec.loc("data"), hint="[data] holdout = 50"))
-    prompts = held_out_prompts(held, args.prompts, args.prompt_tokens)
-    eos = held.eos
+    if not benches:
+        seq = int(tr.target.config.max_position_embeddings or 1 << 20)    # prompts come from whole documents
+        _, held = load_data(spec.data, Path(spec.data.get("_base", ".")), seq, int(spec.train["seed"]),
+                            int(tr.dims.vocab_size), spec.loc)
+        if held is None:
+            raise GraphError(Problem("eval decodes prompts from the held-out split, and the graph has none",
+                                     spec.loc("data"), hint="[data] holdout = 50, or --bench FILE"))
+        eos = held.eos
+        benches = [("held-out", None, "held-out", held_out_prompts(held, args.prompts, args.prompt_tokens))]
     dec = Decoder(tr.target, tr.drafter, tr.dims.target_layer_ids, int(tr.dims.block_size), eos)
-    res = {"graph": spec.name, "checkpoint": str(ckpt), "max_new_tokens": args.max_new_tokens,
-           **measure(dec, prompts, args.max_new_tokens)}
+    rows = [_row(name, fmt, f, measure(dec, prompts, args.max_new_tokens)) for name, f, fmt, prompts in benches]
+    predicted = heldout_tau(ckpt)
+    res: dict[str, Any] = {"graph": spec.name, "checkpoint": str(ckpt), "max_new_tokens": args.max_new_tokens,
+                           "block": block, "predicted_tau": predicted, "benchmarks": rows}
+    if not args.bench:      # the held-out row's figures at the top level too, as before --bench
+        res.update({k: v for k, v in rows[0].items() if k not in ("name", "format", "file")})
     if args.json:
         print(json.dumps(res))
     else:
-        acc = " ".join(f"{a:.2f}" if a is not None else "-" for a in res["slot_accept"])
-        print(f"{spec.name}: speculative decoding of {res['prompts']} held-out prompts, up to {args.max_new_tokens} "
-              f"new tokens each, block {res['block']}, greedy verification")
-        print(f"  acceptance length tau: {res['tau']} tokens per block ({res['rounds']} blocks); slot accept {acc}")
-        print(f"  tokens per target forward: {res['tokens_per_target_forward']} (target-only greedy: "
-              f"{res['greedy_tokens_per_target_forward']})")
-        print(f"  wall time: {res['speculative_seconds']:.2f} s speculative, {res['greedy_seconds']:.2f} s target-only "
-              f"greedy ({res['speedup']}x; no KV cache in either)")
-        print(f"  lossless: {res['identical_to_greedy']} of {res['prompts']} outputs identical to target-only greedy")
-    return 0 if res["identical_to_greedy"] == res["prompts"] else 1
+        what = "held-out prompts" if not args.bench else f"{len(rows)} benchmark file(s)"
+        print(f"{spec.name}: speculative decoding of {what}, up to {args.prompts} prompts each, up to "
+              f"{args.max_new_tokens} new tokens, block {block}, greedy verification, against target-only decoding")
+        print(render_table(rows, predicted))
+    return 0 if all(r["lossless"] for r in rows) else 1
 
 
 def cmd_export(args) -> int:

@@ -113,18 +113,32 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("launch", add_help=False,
                    help="run under torchrun, one process per rank: Ctrl-C exits 130, a failed rank its own status",
                    usage="dflash-graph launch [TORCHRUN FLAGS] run GRAPH [RUN FLAGS]  (see: dflash-graph launch --help)")
+    from ..train.bench import BY_NAME as BENCH_FORMATS   # the formats' one declaration (no torch)
+
     ev = sub.add_parser("eval", help="speculative decoding with the trained drafter: acceptance length, speed, lossless",
-                       description="Decode held-out prompts with the target and the trained drafter (greedy "
-                                   "verification, the graph's block size) and with the target alone; report the "
-                                   "measured acceptance length, tokens per target forward and wall time. Exit 0 when "
-                                   "every output equals target-only greedy decoding.")
+                       description="Decode held-out prompts, or the prompts of --bench files, with the target and "
+                                   "the trained drafter (the graph's block size) and with the target alone; report "
+                                   "per benchmark the measured acceptance length, the accept rate per slot, tokens per "
+                                   "target forward and the speed-up, beside the held-out tau training measured. "
+                                   "Memory and the graph against the run's are checked before anything is loaded. "
+                                   "Exit 0 when every output equals target-only decoding.")
     _common(ev)
     ev.add_argument("--checkpoint", required=True, metavar="DIR", help="the --out directory of a run")
-    ev.add_argument("--prompts", type=int, default=16, help="held-out prompts to decode (default 16)")
+    ev.add_argument("--prompts", type=int, default=16, help="prompts to decode: held-out ones, or the first N of each "
+                                                            "--bench file (default 16)")
     ev.add_argument("--prompt-tokens", type=int, default=24, help="tokens of each held-out document used as prompt")
     ev.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
     ev.add_argument("--device", default="cpu", help="torch device for the target and the drafter (default cpu)")
     ev.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ev.add_argument("--bench", action="append", default=[], metavar="FILE",
+                    help="a local JSONL benchmark file (MT-Bench, GSM8K, HumanEval, MBPP, MATH500, {\"messages\"} or "
+                         "{\"prompt\"} records; repeatable: one row each); its first --prompts records go through "
+                         "the target's chat template (default: held-out prompts of the corpus)")
+    ev.add_argument("--bench-format", default=None,
+                    choices=tuple(BENCH_FORMATS),
+                    help="the --bench files' record format (default: detected from each file's keys)")
+    ev.add_argument("--host-memory", metavar="SIZE", help="the memory eval may use on a CPU device, e.g. 64GiB "
+                                                          "(default: MemAvailable here)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     x = sub.add_parser("export", help="write the drafter as a Hugging Face DFlash draft directory",
                        description="Write DIR's drafter as config.json + model.safetensors in the DFlash draft "
