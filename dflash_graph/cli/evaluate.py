@@ -286,17 +286,35 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from ..train.export import export
+    from ..train.checkpoint import run_directory
+    from ..train.export import export, mask_token_string, refuse_existing, tokenizer_path
     from ..train.trained import Trained
 
-    from ..train.checkpoint import run_directory
-
     ckpt = run_directory(args.dir, "export DIR")
-    plan = _plan(args.graph, args.overrides, ckpt)
+    out = Path(args.out)
+    if not args.overwrite:            # refused before anything is built
+        refuse_existing(out)
+    modeling = Path(args.modeling_file) if args.modeling_file else None
+    if modeling is not None and not modeling.is_file():
+        raise GraphError(Problem("no such file", Location(flag=f"--modeling-file {modeling}"),
+                                 hint="a local copy of z-lab's dflash.py (the modeling file of their published "
+                                      "drafters, e.g. z-lab/Qwen3-8B-DFlash-b16)"))
+    plan = _plan(args.graph, args.overrides, ckpt, rewrite=False)
+    spec = plan.typed.ctx.spec
     tr = Trained(plan, ckpt, "cpu", flag="export DIR")
-    out = export(tr.drafter, tr.dims, tr.norm_weight, tr.target.config, Path(args.out), args.dtype, tr.drafter_name,
-                 plan.typed.ctx.spec.loc("models", tr.drafter_name, "config"), norm_plus_one=tr.norm_plus_one)
+    mask = mask_token_string(tokenizer_path(spec), tr.dims.mask_token_id)
+    out = export(tr.drafter, tr.dims, tr.norm_weight, tr.target.config, out, args.dtype, tr.drafter_name,
+                 spec.loc("models", tr.drafter_name, "config"), norm_plus_one=tr.norm_plus_one, overwrite=True,
+                 mask_token=mask, modeling_file=modeling)
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} ({args.dtype}): the DFlash draft format "
-          f"(z-lab dflash DFlashDraftModel; SGLang --speculative-algorithm DFLASH --speculative-draft-model-path {out})",
-          file=sys.stdout)
+          f"(SGLang --speculative-algorithm DFLASH --speculative-draft-model-path {out}; vLLM --speculative-config "
+          f"'{{\"method\": \"dflash\", \"model\": \"{out}\"}}'; docs/drafter.md)")
+    if mask is None:
+        print(f"note: the graph's [data] names no tokenizer, so dflash_config.mask_token is not written: SGLang then "
+              f"assumes \"<|MASK|>\" and refuses the draft if the target's tokenizer maps it to another id than "
+              f"{tr.dims.mask_token_id}", file=sys.stderr)
+    if modeling is None:
+        print(f"note: z-lab's Transformers loader (AutoModel.from_pretrained(..., trust_remote_code=True)) also "
+              f"needs their dflash.py in {out} (auto_map names it; MIT licence): --modeling-file PATH copies it in",
+              file=sys.stderr)
     return 0

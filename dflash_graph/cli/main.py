@@ -150,6 +150,10 @@ def parser() -> argparse.ArgumentParser:
                    help="overrides, as given to run (added to those in DIR/run.json)")
     x.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="weight dtype (default bfloat16, as published DFlash drafters)")
+    x.add_argument("--overwrite", action="store_true", help="replace the files of an existing, non-empty HF_DIR")
+    x.add_argument("--modeling-file", metavar="PATH",
+                   help="a local copy of z-lab's dflash.py (MIT), copied into HF_DIR for the auto_map of z-lab's "
+                        "Transformers loader (AutoModel.from_pretrained(..., trust_remote_code=True))")
     pv = sub.add_parser("prove", help="prove every rewrite rule for all sizes with an SMT solver (z3)",
                         description="Prove each rewrite rule's theorem, built from the ops' declared traits, for every "
                                     "size, offset, index and rank (docs/rules/). Exit 0: every theorem as required; "
