@@ -1,0 +1,192 @@
+"""`eval --bench`: every shipped sample file (graphs/tiny/bench/, one per published benchmark format) is read in its
+format and rendered through the target's chat template; a file of no known format is refused at its line with the
+keys it has; and eval refuses, before it builds any model, a graph that differs from the run's (block,
+target_layer_ids, ...), bad flags, and a target that does not fit the device (the 27B graph on this host)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_graph.cli.main import main
+from dflash_graph.errors import GraphError
+from dflash_graph.train.bench import BY_NAME, FORMATS, detect, heldout_tau, prompt_ids, read_bench
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "graphs" / "tiny" / "bench"
+
+# what each sample's first record asks, as the user turn the decoder answers
+FIRST_TURN = {
+    "mtbench": "Tell me about the rabbit.",
+    "gsm8k": "What is six plus ten?",
+    "humaneval": "Complete this Python function:\n\ndef count_by(step, start, n):",
+    "mbpp": "Write a function to count by 5 from 3.\nYour code should pass these tests:\nassert count5(2) == [3, 8]",
+    "math500": "What is nine plus three?",
+    "messages": "What color is the horse?",
+    "prompt": "Count by 5 from 3, 10 numbers.",
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from dflash_graph.train.corpus import load_tokenizer
+
+    return load_tokenizer(REPO / "graphs" / "tiny" / "tokenizer.json")
+
+
+def test_a_sample_file_ships_for_every_format():
+    assert sorted(p.stem for p in BENCH.glob("*.jsonl")) == sorted(BY_NAME) == sorted(FIRST_TURN)
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_TURN))
+def test_each_sample_file_is_read_in_its_format_and_templated(name, tok):
+    fmt, convs = read_bench(BENCH / f"{name}.jsonl", 100)
+    lines = [json.loads(x) for x in (BENCH / f"{name}.jsonl").read_text().splitlines() if x.strip()]
+    assert fmt == name and len(convs) == len(lines)
+    assert convs[0][-1]["role"] == "user" and convs[0][-1]["content"].startswith(FIRST_TURN[name])
+    for rec, conv in zip(lines, convs):     # the reference answer is never part of the prompt
+        for key in ("answer", "solution", "code", "canonical_solution"):
+            if isinstance(rec.get(key), str) and len(rec[key]) > 3:
+                assert rec[key] not in " ".join(m["content"] for m in conv)
+    assert read_bench(BENCH / f"{name}.jsonl", 1)[1] == convs[:1]            # --prompts N: the first N records
+    ids = prompt_ids(tok, convs, name)
+    text = tok.decode(ids[0])
+    # the chat template's rendering with the generation prompt: the user turn, then the assistant's cue
+    assert text == tok.apply_chat_template(convs[0], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("assistant:") and "user: " in text
+
+
+def test_mtbench_decodes_the_first_turn_only():
+    _, convs = read_bench(BENCH / "mtbench.jsonl", 10)
+    assert all(len(c) == 1 for c in convs)
+
+
+def test_messages_end_at_the_last_user_message():
+    _, convs = read_bench(BENCH / "messages.jsonl", 10)
+    assert [m["role"] for m in convs[1]] == ["user", "assistant", "user"]
+
+
+def test_detection_prefers_the_specific_format():
+    he = {"task_id": "x", "prompt": "def f():", "entry_point": "f"}
+    assert detect(he).name == "humaneval" and detect({"prompt": "hi"}).name == "prompt"
+    assert detect({"question": "q", "answer": "a"}).name == "gsm8k" and detect({"q": 1}) is None
+    assert [f.name for f in FORMATS].index("humaneval") < [f.name for f in FORMATS].index("prompt")
+
+
+def test_a_record_of_no_known_format_is_refused_at_its_line(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"question": "What is one plus one?", "answer": "2"}\n\n{"query": "hi", "id": 3}\n')
+    with pytest.raises(GraphError) as e:
+        read_bench(f, 10, None)
+    msg = str(e.value)
+    # line 3 is of another format than the file's (gsm8k, from line 1): named with the keys found
+    assert f"{f}:3" in msg and "keys found: id, query" in msg and "'question'" in msg
+    f.write_text('{"query": "hi"}\n')
+    msg = str(pytest.raises(GraphError, read_bench, f, 10, None).value)
+    assert f"{f}:1" in msg and "keys found: query" in msg and "--bench-format" in msg and "mtbench: turns" in msg
+    f.write_text('{"prompt": "hi"}\nnot json\n')
+    assert f"{f}:2" in str(pytest.raises(GraphError, read_bench, f, 10, None).value)
+    # --bench-format names the format: a record without its keys is refused, naming them
+    f.write_text('{"prompt": "hi"}\n')
+    msg = str(pytest.raises(GraphError, read_bench, f, 10, "gsm8k").value)
+    assert f"{f}:1" in msg and "'answer', 'question'" in msg
+
+
+def test_the_cli_refuses_a_bad_bench_file_with_its_location(in_repo, tmp_path, capsys, monkeypatch):
+    _no_models(monkeypatch)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Say the words: owl."}\n{"turn": "x"}\n')
+    ck = tmp_path / "run"
+    ck.mkdir()
+    assert main(["eval", "graphs/tiny.toml", "--checkpoint", str(ck), "--bench", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2" in err and "keys found: turn" in err and "Traceback" not in err
+    assert main(["eval", "graphs/tiny.toml", "--checkpoint", str(ck), "--bench", str(tmp_path / "none.jsonl")]) == 2
+    assert "--bench" in capsys.readouterr().err
+
+
+def _no_models(monkeypatch):
+    """Building a model fails the test: these refusals come before anything is loaded."""
+    from dflash_graph.train import trained
+
+    def built(*a, **k):
+        raise AssertionError("eval built a model before refusing")
+
+    monkeypatch.setattr(trained.Trained, "__init__", built)
+
+
+def test_a_graph_that_differs_from_the_runs_is_refused_naming_each_difference(in_repo, tmp_path, capsys, monkeypatch):
+    from dflash_graph.rewrite.pipeline import compile_graph
+    from dflash_graph.train import rundir
+
+    _no_models(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = compile_graph("graphs/tiny.toml", rewrite=False).typed.ctx.spec
+    rundir.record(run, spec, ["dflash-graph", "run", "graphs/tiny.toml"], [], 3)
+    rec = json.loads((run / "run.json").read_text())        # a run that hooked other layers than the graph does
+    rec["resolved"]["models"]["drafter"]["config"]["target_layer_ids"] = [1, 4]
+    (run / "run.json").write_text(json.dumps(rec))
+    code = main(["eval", "graphs/tiny.toml", "--checkpoint", str(run), "--set", "dims.block=8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "models.drafter.config.block_size is 8 (written 'block') in this graph, 4 in the run" in err
+    assert "models.drafter.config.target_layer_ids is [1, 3] in this graph, [1, 4] in the run" in err
+    assert err.count("error at models.drafter.config.") == 2 and "graphs/tiny.toml:" in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--prompts", "0"], "--prompts 0: error: must be at least 1"),
+    (["--device", "cuda"], "--device cuda: error:"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: error: must be at least 1"),
+    (["--bench-format", "gsm8k"], "--bench-format gsm8k: error: --bench-format applies to --bench files"),
+])
+def test_bad_flags_exit_2_naming_the_flag(flags, says, tmp_path, capsys):
+    import torch
+
+    if flags[0] == "--device" and torch.cuda.is_available():
+        flags = ["--device", f"cuda:{torch.cuda.device_count()}"]
+        says = f"--device {flags[1]}: error:"
+    assert main(["eval", "graphs/tiny.toml", "--checkpoint", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_the_27b_target_is_refused_before_it_is_built(in_repo, tmp_path, capsys, monkeypatch):
+    _no_models(monkeypatch)
+    code = main(["eval", "graphs/qwen27b.toml", "--checkpoint", str(tmp_path), "--prompts", "1",
+                 "--host-memory", "32GiB"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    # 26,895,998,464 target parameters and 1,730,213,120 - shared drafter parameters, bf16
+    assert "eval would need at least" in err and "on cpu" in err and "has 32.00 GiB (--host-memory)" in err
+    assert "target weights 50.10 GiB" in err and "nothing was loaded" in err
+
+
+def test_eval_memory_counts_the_weights_eval_builds():
+    """eval_need's weights are the parameter bytes of the modules eval builds (tiny: target and drafter)."""
+    from dflash_graph.cli.evaluate import eval_need
+    from dflash_graph.exec.devices import torch_devices
+    from dflash_graph.exec.models import ModelStore
+    from dflash_graph.rewrite.pipeline import compile_graph
+
+    plan = compile_graph(str(REPO / "graphs" / "tiny.toml"), rewrite=False)
+    store = ModelStore(plan.typed, torch_devices(plan.typed.ctx.spec))
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())   # noqa: E731
+    need = eval_need(plan, "drafter", "target", 10)
+    assert need["target weights"] == size(store.full("target", "cpu"))
+    assert need["drafter weights"] == size(store.drafter("drafter", "cpu"))
+    assert need["logits"] == 10 * 768 * 4
+
+
+def test_the_held_out_tau_training_predicted_is_the_last_in_metrics(tmp_path):
+    assert heldout_tau(tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 1, "tau": 1.0}, {"step": 2, "heldout": {"tau": 1.25, "loss": 3.0}}, {"step": 3, "tau": 1.1},
+        {"step": 4, "heldout": {"tau": 1.5, "loss": 2.0}}, {"step": 5}]) + "\n")
+    assert heldout_tau(tmp_path) == {"tau": 1.5, "step": 4}
+    ck = tmp_path / "checkpoints" / "step-5"
+    ck.mkdir(parents=True)
+    assert heldout_tau(ck)["tau"] == 1.5                       # --checkpoint naming one checkpoint of the run
