@@ -133,3 +133,45 @@ def test_export_reproduces_the_drafters_logits(tiny, tmp_path, dtype):
     else:                                                                  # bf16 weights: close, same argmax
         assert (theirs - ours).abs().max() < 0.05 * ours.abs().max()
         assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_export_is_servable_auto_map_mask_token_modes_and_no_silent_overwrite(tiny, tmp_path, capsys):
+    """What the loaders need beyond the weights: z-lab's AutoModel loader the auto_map to DFlashDraftModel (its
+    dflash.py copied in when given), SGLang the mask token's string as the target tokenizer spells that id; a
+    serving container (another user) reads the files; an existing export is not replaced without --overwrite."""
+    import os
+
+    from dflash_graph.cli.main import main
+    from dflash_graph.errors import GraphError
+    from dflash_graph.train.corpus import load_tokenizer
+    from dflash_graph.train.export import mask_token_string, tokenizer_path
+
+    plan, drafter, target = tiny
+    dims = plan.typed.ctx.models["drafter"].dims
+    spec = plan.typed.ctx.spec
+    mask = mask_token_string(tokenizer_path(spec), dims.mask_token_id)
+    tok = load_tokenizer(REPO / "graphs" / "tiny" / "tokenizer.json")
+    assert mask == tok.convert_ids_to_tokens(1) and tok.get_vocab()[mask] == dims.mask_token_id == 1
+    modeling = tmp_path / "zlab_dflash.py"
+    modeling.write_text("# stands in for z-lab's modeling file\n")
+    out = tmp_path / "hf"
+    export(drafter, dims, final_norm(target).weight, target.config, out, "float32", norm_plus_one=True,
+           mask_token=mask, modeling_file=modeling)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"} and cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"]["mask_token"] == mask and (out / "dflash.py").read_text() == modeling.read_text()
+    um = os.umask(0)
+    os.umask(um)
+    for f in ("config.json", "model.safetensors", "dflash.py"):
+        assert (out / f).stat().st_mode & 0o777 == 0o666 & ~um            # 0644 under the usual umask 022
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    with pytest.raises(GraphError, match="not overwrite a directory silently"):
+        export(drafter, dims, final_norm(target).weight, target.config, out, "float32", norm_plus_one=True)
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+    export(drafter, dims, final_norm(target).weight, target.config, out, "bfloat16", norm_plus_one=True,
+           overwrite=True)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # the command refuses before it reads the run (here: a directory that is no run at all)
+    assert main(["export", str(tmp_path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: error: exists and is not empty" in err and "--overwrite" in err
