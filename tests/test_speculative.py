@@ -91,6 +91,22 @@ def test_eval_and_export_on_a_trained_run(in_repo, tmp_path, capsys):
     assert code == 0 and res["identical_to_greedy"] == res["prompts"] == 2
     assert res["tau"] >= 1 and res["tokens_per_target_forward"] >= 1 and res["block"] == 4
     assert len(res["slot_accept"]) == 3
+    assert [b["name"] for b in res["benchmarks"]] == ["held-out"] and res["benchmarks"][0]["lossless"] is True
+    # benchmark files: one row each, in --json as `benchmarks`, beside the held-out tau training measured
+    bench = ["--bench", "graphs/tiny/bench/gsm8k.jsonl", "--bench", "graphs/tiny/bench/mtbench.jsonl"]
+    code = main(["eval", "graphs/tiny.toml", "--checkpoint", str(out), *bench, "--prompts", "1",
+                 "--max-new-tokens", "4", "--json"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and [b["name"] for b in res["benchmarks"]] == ["gsm8k", "mtbench"]
+    for b in res["benchmarks"]:
+        assert {"name", "tau", "speedup", "accept_per_slot", "lossless"} <= set(b) and b["lossless"] is True
+        assert b["prompts"] == 1 and b["tau"] >= 1 and len(b["accept_per_slot"]) == 3
+    held = [json.loads(line)["heldout"] for line in open(out / "metrics.jsonl") if "heldout" in line][-1]
+    assert res["predicted_tau"]["tau"] == held["tau"] and res["predicted_tau"]["step"] == 3
+    assert main(["eval", "graphs/tiny.toml", "--checkpoint", str(out), *bench[:2], "--prompts", "1",
+                 "--max-new-tokens", "4"]) == 0
+    table = capsys.readouterr().out
+    assert "benchmark  prompts  tau" in table and "\ngsm8k " in table and f"training predicted tau {held['tau']}" in table
     assert main(["export", str(out), "--out", str(tmp_path / "hf"), "--dtype", "float32"]) == 0
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["torch_dtype"] == "float32"
