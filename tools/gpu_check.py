@@ -16,6 +16,10 @@ The flash-linear-attention / causal-conv1d and flash-attn programs were derived 
 and are "not yet measured" until this runs on a GPU with them installed: the script imports them, else installs them
 from --wheels DIR (pip --no-index; nothing else is reachable from a lent machine), else records why not
 (OUT/gpu_check.json "kernels"). --skip-graph runs only this part.
+
+--serve then serves a tiny drafter's export with the tiny target in SGLang and vLLM and runs their own benchmark
+clients (tools/serve_check.py, the commands of docs/drafter.md), recording each engine that is not installed as
+skipped, with the reason (OUT/gpu_check.json "serving").
 """
 
 from __future__ import annotations
@@ -160,6 +164,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--wheels", type=Path, help="a directory of wheels to install the kernel packages from")
     ap.add_argument("--skip-graph", action="store_true", help="only the forward measurements")
+    ap.add_argument("--serve", action="store_true",
+                    help="also serve a tiny drafter's export with the tiny target in SGLang and vLLM and run their "
+                         "benchmark clients (tools/serve_check.py; skipped, saying why, where an engine is absent)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sets = SMALL if args.small else []
@@ -230,6 +237,21 @@ def main() -> int:
                   f"{r['predicted_bytes'] / 2**20:>10.1f}Mi {r['ratio']:>7.4f}")
         else:
             print(f"{name:<34} {r['linear_kernels']:>6} {r['seq']:>6} {r.get('skipped') or r.get('error')}")
+    if args.serve:   # the export through the serving engines (docs/drafter.md, "Serving the export")
+        from serve_check import run_all
+
+        run = args.out / "tiny_run"
+        p = subprocess.run([sys.executable, "-m", "dflash_graph", "run", str(ROOT / "graphs" / "tiny.toml"),
+                            "--steps", "20", "--out", str(run), "--no-progress", "--overwrite"],
+                           capture_output=True, text=True, timeout=args.timeout, env=env)
+        results["serving"] = (run_all(str(ROOT / "graphs" / "tiny"), str(run / "export"),
+                                      str(ROOT / "graphs" / "tiny" / "bench" / "prompt.jsonl"), 4, 8,
+                                      args.out / "serving", args.timeout) if p.returncode == 0 else
+                              [{"error": f"training the tiny drafter failed: {p.stderr[-2000:]}"}])
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+        for r in results["serving"]:
+            print(f"serving {r.get('engine', '-')}: " + (f"skipped: {r['skipped']}" if "skipped" in r else
+                  r.get("error") or f"accept length {r['accept_length']}, {r['output_tokens_per_s']} tok/s"))
     print(f"wrote {args.out / 'gpu_check.json'}")
     return 0 if all(r["exit"] == 0 for r in results["variants"].values()) else 1
 
