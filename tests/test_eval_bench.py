@@ -190,3 +190,18 @@ def test_the_held_out_tau_training_predicted_is_the_last_in_metrics(tmp_path):
     ck = tmp_path / "checkpoints" / "step-5"
     ck.mkdir(parents=True)
     assert heldout_tau(ck)["tau"] == 1.5                       # --checkpoint naming one checkpoint of the run
+
+
+def test_the_serving_commands_in_the_docs_are_the_ones_serve_check_runs():
+    import shlex
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from serve_check import ENGINES, commands, why_not
+
+    page = (REPO / "docs" / "drafter.md").read_text()
+    for engine in ENGINES:
+        for cmd in commands(engine, "TARGET_DIR", "HF_DIR", "PROMPTS.jsonl", 16, 128):
+            assert shlex.join(cmd) in page, shlex.join(cmd)
+        if why_not(engine) is not None:          # absent here: said why, not an error
+            assert engine in why_not(engine) or "GPU" in why_not(engine)

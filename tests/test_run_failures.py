@@ -189,7 +189,7 @@ def test_a_full_disk_at_the_export_keeps_the_trained_run(in_repo, tmp_path, monk
     assert f"dflash-graph export {out} --out {export}" in err
     print("\n" + err.strip())
     monkeypatch.undo()
-    assert main(["export", str(out), "--out", str(export)]) == 0     # the hint's command
+    assert main(["export", str(out), "--out", str(export), "--overwrite"]) == 0     # the hint's command
     assert (export / "model.safetensors").is_file() and (export / "config.json").is_file()
 
 

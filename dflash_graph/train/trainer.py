@@ -808,7 +808,7 @@ class Trainer:
         export is missing, and `dflash-graph export` writes it again from the checkpoint."""
         out = self.opts.out
         saved = checkpoint.newest_complete(out) if out.is_dir() else None
-        again = f"then write the export from the checkpoint: dflash-graph export {out} --out {export_dir}"
+        again = f"then write the export from the checkpoint: dflash-graph export {out} --out {export_dir} --overwrite"
         fix = _fix(err, export_dir, export_dir, again, full=f"free space on the filesystem of {export_dir} (df -h {out})")
         path = Path(err.filename) if getattr(err, "filename", None) else export_dir
         return Problem(f"cannot write the drafter's export: {_why(err)}", _location(path),
