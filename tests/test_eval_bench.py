@@ -205,3 +205,14 @@ def test_the_serving_commands_in_the_docs_are_the_ones_serve_check_runs():
             assert shlex.join(cmd) in page, shlex.join(cmd)
         if why_not(engine) is not None:          # absent here: said why, not an error
             assert engine in why_not(engine) or "GPU" in why_not(engine)
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_naming_each_tensor():
+    import torch
+
+    from dflash_graph.train.trained import mismatches
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(3, 2))
+    state = {"0.weight": torch.zeros(3, 8), "1.weight": torch.zeros(2, 3), "2.weight": torch.zeros(1)}
+    assert mismatches(m, state) == ("0.weight: checkpoint [3, 8], graph [3, 4]; 2.weight: only in the checkpoint; "
+                                    "1.bias: not in the checkpoint")

@@ -48,6 +48,17 @@ def checkpoint_file(ckpt: Path, drafter: str, flag: str) -> Path:
     return f
 
 
+def mismatches(module, state: dict) -> str:
+    """Each tensor whose shape differs between `module` and a checkpoint's `state`, and each one only one has."""
+    mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    out = [f"{k}: checkpoint {list(theirs[k])}, graph {list(mine[k])}" for k in sorted(mine.keys() & theirs.keys())
+           if mine[k] != theirs[k]]
+    out += [f"{k}: only in the checkpoint" for k in sorted(theirs.keys() - mine.keys())]
+    out += [f"{k}: not in the checkpoint" for k in sorted(mine.keys() - theirs.keys())]
+    return "; ".join(out[:8]) + (f"; and {len(out) - 8} more" if len(out) > 8 else "")
+
+
 class Trained:
     def __init__(self, plan: Plan, ckpt: Path, device: str = "cpu", flag: str = "--checkpoint"):
         from .checkpoint import read_weights
@@ -64,8 +75,9 @@ class Trained:
         try:
             self.drafter.load_state_dict({k: v.to(device) for k, v in state.items()})
         except RuntimeError as e:
-            raise GraphError(Problem("the checkpoint does not fit this graph's drafter", Location(str(ckpt)),
-                                     actual=str(e).splitlines()[0],
+            raise GraphError(Problem("the checkpoint does not fit this graph's drafter", Location(str(weights)),
+                                     expected="the tensors and shapes of this graph's drafter",
+                                     actual=mismatches(self.drafter, state) or str(e).splitlines()[0],
                                      hint="use the graph (and --set overrides) the run was trained with")) from None
         self.drafter.eval()
         self.drafter.requires_grad_(False)
