@@ -216,3 +216,26 @@ def test_a_checkpoint_of_other_shapes_is_refused_naming_each_tensor():
     state = {"0.weight": torch.zeros(3, 8), "1.weight": torch.zeros(2, 3), "2.weight": torch.zeros(1)}
     assert mismatches(m, state) == ("0.weight: checkpoint [3, 8], graph [3, 4]; 2.weight: only in the checkpoint; "
                                     "1.bias: not in the checkpoint")
+
+
+@pytest.mark.slow
+def test_a_run_launched_under_torchrun_gets_its_held_out_evaluation(in_repo, tmp_path):
+    """`dflash-graph launch` evaluates the held-out split after the ranks exit: the same figures as the run in one
+    process reports at its last step (the drafters agree to float rounding), recorded in metrics.jsonl."""
+    import sys
+
+    from test_distributed import session
+
+    one, dist = tmp_path / "one", tmp_path / "dist"
+    assert main(["run", "graphs/tiny.toml", "--steps", "2", "--out", str(one), "--no-progress"]) == 0
+    with session([sys.executable, "-m", "dflash_graph", "launch", "--standalone", "--nproc-per-node", "3", "run",
+                  "graphs/tiny.toml", "--steps", "2", "--out", str(dist), "--no-progress"]) as p:
+        out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert "held-out tau: not measured (under torchrun it runs once the ranks have exited" in out
+    assert "held-out @ step 2: loss" in out and "(after the launch, in one process)" in out
+    a = [json.loads(x) for x in open(one / "metrics.jsonl")][-1]["heldout"]
+    b = [json.loads(x) for x in open(dist / "metrics.jsonl")][-1]["heldout"]
+    assert b["after_launch"] is True and a["anchors"] == b["anchors"] and a["sequences"] == b["sequences"]
+    assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]) and abs(a["tau"] - b["tau"]) <= 0.01
+    assert heldout_tau(dist) == {"tau": b["tau"], "step": 2}

@@ -47,8 +47,9 @@ class RunSummary:
         if not self.eval_every:
             return "set [train] eval_every"
         if t.comm is not None:
-            return ("held-out evaluation runs in one process, not under torchrun; dflash-graph eval GRAPH "
-                    f"--checkpoint {t.opts.out} measures tau from the checkpoint")
+            return ("under torchrun it runs once the ranks have exited: `dflash-graph launch` evaluates the "
+                    "checkpoint in one process and prints its held-out line next; after a plain torchrun, "
+                    f"dflash-graph eval GRAPH --checkpoint {t.opts.out} measures tau from the checkpoint")
         return "no evaluation ran"
 
     def render(self, step: int, out: Path, memory: dict[str, tuple[int, int | None]]) -> str:
