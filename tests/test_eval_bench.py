@@ -239,3 +239,12 @@ def test_a_run_launched_under_torchrun_gets_its_held_out_evaluation(in_repo, tmp
     assert b["after_launch"] is True and a["anchors"] == b["anchors"] and a["sequences"] == b["sequences"]
     assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]) and abs(a["tau"] - b["tau"]) <= 0.01
     assert heldout_tau(dist) == {"tau": b["tau"], "step": 2}
+
+
+def test_graph_keys_compare_by_value_not_by_how_they_are_written():
+    from dflash_graph.cli.evaluate import _resolve
+
+    flat = {"dims.vocab": "target.vocab_size", "models.target.config.vocab_size": 768, "dims.block": 4,
+            "dims.tokens": "anchors * block", "dims.anchors": 16}
+    assert [_resolve(flat, v) for v in ("vocab - 1", "block", "tokens", 7)] == [767, 4, 64, 7]
+    assert _resolve(flat, "silu") == "silu" and _resolve(flat, "block // 0") == "block // 0"

@@ -48,15 +48,43 @@ TARGET_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
 def _resolve(flat: dict[str, Any], v: Any, depth: int = 0) -> Any:
-    """A resolved config value as a number where the graph wrote a dim's name (`block`) or another model's key
-    (`target.hidden_size`): both graphs are compared by what their keys evaluate to, not by how they are written."""
-    if isinstance(v, str) and depth < 4:
-        if f"dims.{v}" in flat:
-            return _resolve(flat, flat[f"dims.{v}"], depth + 1)
-        model, _, key = v.partition(".")
+    """A resolved config value as a number where the graph wrote a dim's name (`block`), another model's key
+    (`target.hidden_size`) or integer arithmetic of them (`vocab - 1`): both graphs are compared by what their keys
+    evaluate to, not by how they are written. A value that does not reduce to a number is compared as written."""
+    if not isinstance(v, str) or depth > 4:
+        return v
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+    def name(text: str) -> Any:
+        if f"dims.{text}" in flat:
+            return _resolve(flat, flat[f"dims.{text}"], depth + 1)
+        model, _, key = text.partition(".")
         if key and f"models.{model}.config.{key}" in flat:
             return _resolve(flat, flat[f"models.{model}.config.{key}"], depth + 1)
-    return v
+        raise ValueError(text)
+
+    def ev(node) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            out = name(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            out = name(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        else:
+            raise ValueError(ast.dump(node))
+        if not isinstance(out, int):
+            raise ValueError(str(out))
+        return out
+
+    try:
+        return ev(ast.parse(v.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return v
 
 
 def graph_differences(rec: dict, spec, drafter: str, target: str, ckpt: Path) -> list[Problem]:
@@ -69,6 +97,12 @@ def graph_differences(rec: dict, spec, drafter: str, target: str, ckpt: Path) ->
     except (KeyError, TypeError, IndexError, AttributeError):
         return []
     a, b = flatten(old), flatten(_jsonable(spec.resolved))
+    same = rec.get("graph") and spec.file and Path(rec["graph"]).resolve() == Path(spec.file).resolve()
+    hint = ("evaluate with the --set flags the run used (eval adds run.json's overrides when GRAPH is the run's "
+            "graph): drop the --set flags that change this key" if same else
+            f"the run trained {rec.get('graph')}" + (f" with --set {' --set '.join(rec['overrides'])}"
+                                                     if rec.get("overrides") else "") +
+            ": evaluate with that graph (or omit GRAPH's changes to this key)")
     keys = [("models", drafter, "config", k) for k in DRAFTER_KEYS] + \
            [("models", target, "config", k) for k in TARGET_KEYS] + [("models", target, "weights")]
     out = []
@@ -79,10 +113,7 @@ def graph_differences(rec: dict, spec, drafter: str, target: str, ckpt: Path) ->
             continue
         wrote = f" (written {b[k]!r})" if isinstance(b.get(k), str) and b[k] != now else ""
         out.append(Problem(f"{k} is {now}{wrote} in this graph, {was} in the run that trained {ckpt}",
-                           spec.loc(*path), expected=f"{was} (the run's)", actual=str(now),
-                           hint="evaluate with the graph and --set flags the run used: omit GRAPH's --set flags "
-                                "that change it (eval reads run.json's graph and overrides when GRAPH is the same "
-                                "file)"))
+                           spec.loc(*path), expected=f"{was} (the run's)", actual=str(now), hint=hint))
     return out
 
 
