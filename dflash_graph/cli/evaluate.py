@@ -1,6 +1,8 @@
 """`dflash-graph eval GRAPH --checkpoint DIR`: real speculative decoding with the target and the trained drafter
-on held-out prompts (train/speculative.py), against target-only greedy decoding; `dflash-graph export DIR --out
-HF_DIR`: the drafter in the DFlash draft format (train/export.py)."""
+on held-out prompts or on benchmark files (`--bench`, train/bench.py), against target-only decoding
+(train/speculative.py), one table row per benchmark beside the held-out tau training measured. Before anything
+is loaded it compares the graph with the run's run.json and eval's memory with the device's. `dflash-graph export
+DIR --out HF_DIR`: the drafter in the DFlash draft format (train/export.py)."""
 
 from __future__ import annotations
 

@@ -184,7 +184,12 @@ def heldout_after(run_args, targs) -> int:
     out = Path(run_args.out) if run_args.out else Path(run_args.resume) if run_args.resume else \
         Path("runs") / load_graph(run_args.graph, run_args.overrides).name
     if not (out / "run.json").is_file() or not (out / "metrics.jsonl").is_file():
-        return 0                    # a finished run left alone (nothing trained now)
+        return 0
+    import json
+
+    lines = [ln for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    if not lines or "heldout" in json.loads(lines[-1]):
+        return 0                    # nothing trained, or evaluated already (a finished run left alone)
     from ..train.heldout import evaluate_run
     from ..train.summary import RunSummary
 
