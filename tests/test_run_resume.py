@@ -231,7 +231,7 @@ def test_held_out_tau_says_why_it_was_not_measured():
     assert "not measured (set [data] holdout and [train] eval_every)" in summary(0, 0)
     assert "not measured (set [train] eval_every)" in summary(50, 0)
     assert "not measured (set [data] holdout: the held-out split is empty)" in summary(0, 10)
-    assert "not under torchrun" in summary(50, 10, comm=object())
+    assert "under torchrun it runs once the ranks have exited" in summary(50, 10, comm=object())
 
 
 def test_non_finite_steps_in_a_row_are_counted_across_a_resume(tmp_path):
