@@ -165,37 +165,6 @@ def test_the_27b_target_is_refused_before_it_is_built(in_repo, tmp_path, capsys,
     assert "target weights 50.10 GiB" in err and "nothing was loaded" in err
 
 
-def test_eval_memory_counts_the_weights_eval_builds():
-    """eval_need's weights are the parameter bytes of the modules eval builds (tiny: target and drafter)."""
-    from dflash_graph.cli.evaluate import eval_need
-    from dflash_graph.exec.devices import torch_devices
-    from dflash_graph.exec.models import ModelStore
-    from dflash_graph.rewrite.pipeline import compile_graph
-
-    import torch
-
-    from dflash_graph.exec.memtrack import LiveTracker
-    from dflash_graph.models.nn.target import body_forward, final_norm, lm_head
-
-    plan = compile_graph(str(REPO / "graphs" / "tiny.toml"), rewrite=False)
-    store = ModelStore(plan.typed, torch_devices(plan.typed.ctx.spec))
-    target, drafter = store.full("target", "cpu"), store.drafter("drafter", "cpu")
-    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())   # noqa: E731
-    t = 40
-    need = eval_need(plan, "drafter", "target", t)
-    assert need["target weights"] == size(target) and need["drafter weights"] == size(drafter)
-    # measured (LiveTracker, as torch's MemTracker counts): the weights, then one target forward over t tokens and
-    # its logits as the decoders compute them; eval_need is a lower bound of that peak, its logits term exact
-    with torch.no_grad(), LiveTracker() as tr:
-        tr.charge("cpu")
-        for p in [*target.parameters(), *drafter.parameters()]:
-            tr.adopt(p, "cpu")
-        last, _ = body_forward(target, torch.arange(t) % 700, torch.arange(t), [])
-        logits = lm_head(target)(final_norm(target)(last))
-    assert logits.numel() * logits.element_size() == need["logits"] == t * 768 * 4
-    assert sum(need.values()) <= tr.peak["cpu"] <= 2 * sum(need.values())
-
-
 def test_the_held_out_tau_training_predicted_is_the_last_in_metrics(tmp_path):
     assert heldout_tau(tmp_path) is None
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [

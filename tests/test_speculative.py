@@ -116,3 +116,27 @@ def test_export_of_a_directory_without_a_run_says_what_to_do(tmp_path, capsys):
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "no run.json" in err and "--graph" in err and "Traceback" not in err
+
+
+def test_eval_memory_counts_the_weights_eval_builds(models):
+    """eval_need's weights are the parameter bytes of the modules eval builds (tiny: target and drafter)."""
+    from dflash_graph.cli.evaluate import eval_need
+    from dflash_graph.exec.memtrack import LiveTracker
+    from dflash_graph.models.nn.target import body_forward, final_norm, lm_head
+
+    plan = compile_graph(str(REPO / "graphs" / "tiny.toml"), rewrite=False)
+    target, drafter = models                                   # built by the ModelStore, as eval builds them
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())   # noqa: E731
+    t = 40
+    need = eval_need(plan, "drafter", "target", t)
+    assert need["target weights"] == size(target) and need["drafter weights"] == size(drafter)
+    # measured (LiveTracker, as torch's MemTracker counts): the weights, then one target forward over t tokens and
+    # its logits as the decoders compute them; eval_need is a lower bound of that peak, its logits term exact
+    with torch.no_grad(), LiveTracker() as tr:
+        tr.charge("cpu")
+        for p in [*target.parameters(), *drafter.parameters()]:
+            tr.adopt(p, "cpu")
+        last, _ = body_forward(target, torch.arange(t) % 700, torch.arange(t), [])
+        logits = lm_head(target)(final_norm(target)(last))
+    assert logits.numel() * logits.element_size() == need["logits"] == t * 768 * 4
+    assert sum(need.values()) <= tr.peak["cpu"] <= 2 * sum(need.values())

@@ -196,7 +196,8 @@ def heldout_tau(run_dir: Path) -> dict[str, Any] | None:
                     rec = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(rec, dict) and isinstance(rec.get("heldout"), dict) and rec["heldout"].get("tau") is not None:
-                    last = {"tau": rec["heldout"]["tau"], "step": rec.get("step")}
+                ev = rec.get("heldout") if isinstance(rec, dict) else None
+                if isinstance(ev, dict) and ev.get("tau") is not None:
+                    last = {"tau": ev["tau"], "step": rec.get("step")}
             return last
     return None
