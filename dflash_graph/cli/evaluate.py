@@ -312,8 +312,11 @@ def cmd_eval(args) -> int:
         print(json.dumps(res))
     else:
         what = "held-out prompts" if not args.bench else f"{len(rows)} benchmark file(s)"
+        temp = rows[0].get("temperature")           # measure's, when it samples
+        verify = "greedy verification" if not temp else f"sampled verification at temperature {temp}" + (
+            f", top-p {rows[0]['top_p']}" if rows[0].get("top_p") not in (None, 1, 1.0) else "")
         print(f"{spec.name}: speculative decoding of {what}, up to {args.prompts} prompts each, up to "
-              f"{args.max_new_tokens} new tokens, block {block}, greedy verification, against target-only decoding")
+              f"{args.max_new_tokens} new tokens, block {block}, {verify}, against target-only decoding")
         print(render_table(rows, predicted))
     return 0 if all(r["lossless"] for r in rows) else 1
 
