@@ -125,6 +125,12 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
     ev.add_argument("--device", default="cpu", help="torch device for the target and the drafter (default cpu)")
     ev.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ev.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default): greedy, outputs identical to target-only greedy decoding; above 0: sampling, "
+                         "verified by the lossless speculative-sampling rule (docs/drafter.md, \"eval\")")
+    ev.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut, in (0, 1] (default 1: none); "
+                                                              "used only with --temperature above 0")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed: prompt i is decoded with seed + i (default 0)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     x = sub.add_parser("export", help="write the drafter as a Hugging Face DFlash draft directory",
                        description="Write DIR's drafter as config.json + model.safetensors in the DFlash draft "
