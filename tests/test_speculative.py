@@ -211,7 +211,7 @@ def test_the_speculative_sampling_rule_emits_the_target_distribution():
     rejected slot from p, are each refused by the same test."""
     p = torch.tensor([[0.40, 0.30, 0.15, 0.10, 0.05, 0.00], [0.2] * 5 + [0.0]], dtype=torch.float32)
     q = torch.tensor([[0.10, 0.45, 0.05, 0.10, 0.10, 0.20]], dtype=torch.float32)
-    n = 3000
+    n = 1500
     g = torch.Generator().manual_seed(1)
     direct = draw(p[0].expand(n, -1), g).tolist()
     x, df, pv = chi_square(_rule_outputs(verify_sampling, p, q, n), direct)
