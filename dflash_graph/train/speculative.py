@@ -68,26 +68,33 @@ class Decoder:
         self.layer_ids, self.block, self.eos = list(layer_ids), block, eos
         self.forwards = 0
         self.prefill_seconds = 0.0              # of the last decode: the prompt's forward, before the first token
+        # Gated DeltaNet (linear attention) layers: their state is recorded per position to be cut back
+        self.recurrent = "linear_attention" in (getattr(target.config, "layer_types", None) or ())
         params = inspect.signature(target.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"    # transformers >= 5.2x: `cache`
 
     # ------------------------------------------------------------------ the target, cached
-    def new_cache(self, record: bool):
+    def new_cache(self):
         """The target's own cache (``DynamicCache`` with its config: attention layers, and Gated DeltaNet layers
-        for Qwen3.5). ``record``: it will be cropped (NOTE [The target's cache after a rejection])."""
+        for Qwen3.5)."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.target.config)
-        cache.record = record
-        return cache
+        return DynamicCache(config=self.target.config)
 
     def _start_recording(self, cache) -> None:
-        if not cache.record:
+        """Make ``cache`` croppable after a verify forward (NOTE [The target's cache after a rejection])."""
+        if not self.recurrent:
             return
         if not hasattr(cache, "activate_past_recording"):
             raise RuntimeError("this transformers cannot roll a Gated DeltaNet state back after a rejected draft; "
                                "speculative decoding of a Qwen3.5 target needs transformers >= 5.25")
         cache.activate_past_recording(recurrent_states_to_keep=self.block)
+
+    def _cut(self, cache, rejected: int) -> None:
+        """Remove the last ``rejected`` tokens from the cache. With recorded states a crop of 0 is still needed: it
+        drops the recorded history and trims the convolution window back to its kernel."""
+        if rejected or self.recurrent:
+            cache.crop(-rejected)
 
     def _target(self, ids: list[int], start: int, cache, features: bool, last_only: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
@@ -134,7 +141,7 @@ class Decoder:
     def target_only(self, prompt: list[int], max_new: int, sampling: Sampling = GREEDY,
                     generator: torch.Generator | None = None) -> list[int]:
         """Target-only decoding with the KV cache: the prompt's forward, then one forward per token."""
-        cache = self.new_cache(record=False)
+        cache = self.new_cache()
         t0 = time.perf_counter()
         logits, _ = self._target(list(prompt), 0, cache, False, last_only=True)
         ids = list(prompt) + [self._pick(logits[-1], sampling, generator)]
@@ -153,7 +160,7 @@ class Decoder:
                     generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
         """(new tokens, accepted drafts per round). The prefill forward gives the first token and the context."""
         B = self.block
-        cache, ctx = self.new_cache(record=True), self.drafter.new_cache()
+        cache, ctx = self.new_cache(), self.drafter.new_cache()
         t0 = time.perf_counter()
         logits, feats = self._target(list(prompt), 0, cache, True, last_only=True)
         ids = list(prompt) + [self._pick(logits[-1], sampling, generator)]
@@ -173,7 +180,7 @@ class Decoder:
                 n, nxt = verify_sampling(torch.tensor(drafts, device=dev), sampling.probs(logits), q, generator)
             accepted.append(n)
             ids += drafts[:n] + [nxt]
-            cache.crop(-(B - 1 - n))                                  # keep the anchor and the accepted drafts
+            self._cut(cache, B - 1 - n)                               # keep the anchor and the accepted drafts
             feats, new_pos = feats[: n + 1], torch.arange(anchor, anchor + n + 1, device=dev)
             if self.eos in ids[anchor + 1:]:
                 ids = ids[: ids.index(self.eos, anchor + 1) + 1]
