@@ -68,6 +68,7 @@ class Decoder:
         self.layer_ids, self.block, self.eos = list(layer_ids), block, eos
         self.forwards = 0
         self.prefill_seconds = 0.0              # of the last decode: the prompt's forward, before the first token
+        self.clock = time.perf_counter
         # Gated DeltaNet (linear attention) layers: their state is recorded per position to be cut back
         self.recurrent = "linear_attention" in (getattr(target.config, "layer_types", None) or ())
         params = inspect.signature(target.forward).parameters
@@ -142,10 +143,10 @@ class Decoder:
                     generator: torch.Generator | None = None) -> list[int]:
         """Target-only decoding with the KV cache: the prompt's forward, then one forward per token."""
         cache = self.new_cache()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         logits, _ = self._target(list(prompt), 0, cache, False, last_only=True)
         ids = list(prompt) + [self._pick(logits[-1], sampling, generator)]
-        self.prefill_seconds = time.perf_counter() - t0
+        self.prefill_seconds = self.clock() - t0
         while len(ids) - len(prompt) < max_new and ids[-1] != self.eos:
             logits, _ = self._target(ids[-1:], len(ids) - 1, cache, False)
             ids.append(self._pick(logits[-1], sampling, generator))
@@ -161,10 +162,10 @@ class Decoder:
         """(new tokens, accepted drafts per round). The prefill forward gives the first token and the context."""
         B = self.block
         cache, ctx = self.new_cache(), self.drafter.new_cache()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         logits, feats = self._target(list(prompt), 0, cache, True, last_only=True)
         ids = list(prompt) + [self._pick(logits[-1], sampling, generator)]
-        self.prefill_seconds = time.perf_counter() - t0
+        self.prefill_seconds = self.clock() - t0
         self._start_recording(cache)
         dev = feats.device
         new_pos = torch.arange(len(prompt), device=dev)               # positions whose features join the context
@@ -206,7 +207,7 @@ def _rate(tokens: int, seconds: float) -> float | None:
 
 
 def measure(dec: Decoder, prompts: list[list[int]], max_new: int, temperature: float = 0.0, top_p: float = 1.0,
-            seed: int = 0) -> dict[str, Any]:
+            seed: int = 0, clock=time.perf_counter) -> dict[str, Any]:
     """Speculative and target-only decoding of every prompt, side by side, both with the target's KV cache:
     acceptance length, tokens per target forward, wall time and decode tokens/s, and losslessness.
 
@@ -216,9 +217,11 @@ def measure(dec: Decoder, prompts: list[list[int]], max_new: int, temperature: f
     target-only sampling only in distribution, not token for token (the two consume the generator differently),
     so there is nothing to compare per prompt; the chi-square test in tests/test_speculative.py is the proof.
     ``*_decode_tokens_per_s``: tokens after the first over the time after the prompt's forward;
-    ``decode_speedup``: their ratio; ``speedup``: the whole decodes' wall times' ratio."""
+    ``decode_speedup``: their ratio; ``speedup``: the whole decodes' wall times' ratio. ``clock``: what times them
+    (wall time; benchmarks/decode_speedup.py passes ``time.process_time``, steadier on a shared CPU)."""
     sampling = Sampling(temperature, top_p)
     dev = dec.head.weight.device
+    dec.clock = clock
     accepted: list[int] = []
     spec_tokens = tgt_tokens = spec_forwards = tgt_forwards = 0
     spec_s = tgt_s = spec_decode_s = tgt_decode_s = 0.0
@@ -226,16 +229,16 @@ def measure(dec: Decoder, prompts: list[list[int]], max_new: int, temperature: f
     for i, p in enumerate(prompts):
         dec.forwards = 0
         gen = torch.Generator(dev).manual_seed(seed + i)
-        t0 = time.perf_counter()
+        t0 = clock()
         out_s, acc = dec.speculative(p, max_new, sampling, gen)
-        spec_s += (dt := time.perf_counter() - t0)
+        spec_s += (dt := clock() - t0)
         spec_decode_s += dt - dec.prefill_seconds
         spec_forwards += dec.forwards
         dec.forwards = 0
         gen = torch.Generator(dev).manual_seed(seed + i)
-        t0 = time.perf_counter()
+        t0 = clock()
         out_t = dec.target_only(p, max_new, sampling, gen)
-        tgt_s += (dt := time.perf_counter() - t0)
+        tgt_s += (dt := clock() - t0)
         tgt_decode_s += dt - dec.prefill_seconds
         tgt_forwards += dec.forwards
         accepted += acc
