@@ -71,8 +71,8 @@ def main() -> int:
           f"{'whole x':>8} {'lossless':>9}")
     for name, d, t in rows:
         r = measure(d, prompts, args.max_new_tokens, temperature=t, clock=time.process_time)
-        print(f"{name:<26} {r['tau']:>7} {r['tokens_per_target_forward']:>8} {r['speculative_decode_tokens_per_s']:>11} "
-              f"{r['greedy_decode_tokens_per_s']:>13} {r['decode_speedup']:>9} {r['speedup']:>8} "
+        print(f"{name:<26} {r['tau']:>7} {r['tokens_per_target_forward']:>8} "
+              f"{r['speculative_decode_tokens_per_s']:>11} {r['greedy_decode_tokens_per_s']:>13} {r['decode_speedup']:>9} {r['speedup']:>8} "
               f"{str(r['lossless']):>9}")
     return 0
 

@@ -176,7 +176,8 @@ def chi_square(a: list, b: list, min_count: int = 10) -> tuple[float, int, float
     exp = obs.sum(1, keepdim=True) * obs.sum(0, keepdim=True) / obs.sum()
     x = float(((obs - exp) ** 2 / exp).sum())
     df = obs.shape[1] - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+    half = torch.tensor([df / 2, x / 2], dtype=torch.float64)
+    p = float(torch.special.gammaincc(half[0], half[1]))
     return x, df, p
 
 
