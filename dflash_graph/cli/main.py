@@ -114,10 +114,11 @@ def parser() -> argparse.ArgumentParser:
                    help="run under torchrun, one process per rank: Ctrl-C exits 130, a failed rank its own status",
                    usage="dflash-graph launch [TORCHRUN FLAGS] run GRAPH [RUN FLAGS]  (see: dflash-graph launch --help)")
     ev = sub.add_parser("eval", help="speculative decoding with the trained drafter: acceptance length, speed, lossless",
-                       description="Decode held-out prompts with the target and the trained drafter (greedy "
-                                   "verification, the graph's block size) and with the target alone; report the "
-                                   "measured acceptance length, tokens per target forward and wall time. Exit 0 when "
-                                   "every output equals target-only greedy decoding.")
+                       description="Decode held-out prompts with the target and the trained drafter (the graph's "
+                                   "block size; greedy, or sampled with --temperature) and with the target alone, "
+                                   "both with the target's KV cache; report the measured acceptance length, tokens "
+                                   "per target forward, decode tokens/s and the speed-up. Greedy: exit 0 when every "
+                                   "output equals target-only greedy decoding.")
     _common(ev)
     ev.add_argument("--checkpoint", required=True, metavar="DIR", help="the --out directory of a run")
     ev.add_argument("--prompts", type=int, default=16, help="held-out prompts to decode (default 16)")
