@@ -9,6 +9,9 @@ allocator (mem_get_info). It writes OUT/gpu_check.json and prints a table.
     python tools/gpu_check.py --out /tmp/gpu_check             # about 2-4 minutes on one H200
     python tools/gpu_check.py --out /tmp/g --device cpu --small  # exercise the script itself without a GPU
 
+Then (unless --skip-decode) it trains graphs/tiny.toml and measures `eval`'s speculative decoding against target-only
+decoding, both with the KV cache, on the device, greedy and at temperature 0.7 (OUT/gpu_check.json "decode").
+
 It then measures the target forward alone under each forward a graph can declare (models.<name>.attn_implementation,
 packing, linear_kernels), against the memory program check uses (dflash_graph/models/qwen3_5.py): the activation
 peak of Qwen3_5TextModel.forward above its input, torch.cuda.max_memory_allocated on a GPU, MemTracker on CPU.
@@ -155,6 +158,34 @@ def measure_forward(cfg: dict, seq: int, docs: int, impl: str, packing: str, dev
             "ratio": round(measured / predicted, 4) if predicted else None}
 
 
+def measure_decoding(out: Path, device: str, small: bool, timeout: int) -> dict:
+    """`eval`'s speculative decoding against target-only decoding, both with the target's KV cache, on `device`:
+    graphs/tiny.toml trained on the CPU (200 steps; 3 with --small), then `eval --device DEVICE --json` greedy and at
+    temperature 0.7 (docs/drafter.md, "eval"). Tiny's forwards are all per-op overhead on a GPU, so this measures
+    the decoder's mechanics (tau, tokens per target forward, decode tokens/s of both, their ratio), not a speed-up
+    a real target would see."""
+    run = out / "tiny_run"
+    cmd = [sys.executable, "-m", "dflash_graph", "run", str(ROOT / "graphs" / "tiny.toml"), "--out", str(run),
+           "--no-progress", *(["--steps", "3"] if small else [])]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    rec: dict = {"train": {"command": " ".join(cmd[1:]), "exit": p.returncode}}
+    if p.returncode != 0:
+        rec["train"]["stderr_tail"] = p.stderr[-3000:]
+        return rec
+    for name, extra in (("greedy", []), ("temperature_0.7", ["--temperature", "0.7"])):
+        cmd = [sys.executable, "-m", "dflash_graph", "eval", str(ROOT / "graphs" / "tiny.toml"), "--checkpoint",
+               str(run), "--device", device, "--json", *(["--prompts", "2", "--max-new-tokens", "8"] if small else []),
+               *extra]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        r = {"command": " ".join(cmd[1:]), "exit": p.returncode}
+        try:
+            r["result"] = json.loads(p.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            r["stderr_tail"] = p.stderr[-3000:]
+        rec[name] = r
+    return rec
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
@@ -167,6 +198,7 @@ def main() -> int:
     ap.add_argument("--serve", action="store_true",
                     help="also serve a tiny drafter's export with the tiny target in SGLang and vLLM and run their "
                          "benchmark clients (tools/serve_check.py; skipped, saying why, where an engine is absent)")
+    ap.add_argument("--skip-decode", action="store_true", help="no speculative decoding measurement (tiny, eval)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     sets = SMALL if args.small else []
@@ -237,6 +269,20 @@ def main() -> int:
                   f"{r['predicted_bytes'] / 2**20:>10.1f}Mi {r['ratio']:>7.4f}")
         else:
             print(f"{name:<34} {r['linear_kernels']:>6} {r['seq']:>6} {r.get('skipped') or r.get('error')}")
+    if not args.skip_decode:
+        results["decode"] = measure_decoding(args.out, args.device, args.small, args.timeout)
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+        print(f"\n{'decoding (tiny, eval)':<22} {'tau':>7} {'tok/fwd':>8} {'spec tok/s':>11} {'target tok/s':>13} "
+              f"{'decode x':>9} {'lossless':>9}")
+        for name, r in results["decode"].items():
+            m = r.get("result") if isinstance(r, dict) else None
+            if name == "train" or not m:
+                if name != "train" or r.get("exit"):
+                    print(f"{name:<22} failed (exit {r.get('exit')}); see gpu_check.json")
+                continue
+            print(f"{name:<22} {m['tau']:>7} {m['tokens_per_target_forward']:>8} "
+                  f"{m['speculative_decode_tokens_per_s']:>11} {m['greedy_decode_tokens_per_s']:>13} "
+                  f"{m['decode_speedup']:>9} {str(m['lossless']):>9}")
     if args.serve:   # the export through the serving engines (docs/drafter.md, "Serving the export")
         from serve_check import run_all
 

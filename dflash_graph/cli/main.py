@@ -117,11 +117,12 @@ def parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="speculative decoding with the trained drafter: acceptance length, speed, lossless",
                        description="Decode held-out prompts, or the prompts of --bench files, with the target and "
-                                   "the trained drafter (the graph's block size) and with the target alone; report "
+                                   "the trained drafter (the graph's block size; greedy, or sampled with "
+                                   "--temperature) and with the target alone, both with the target's KV cache; report "
                                    "per benchmark the measured acceptance length, the accept rate per slot, tokens per "
-                                   "target forward and the speed-up, beside the held-out tau training measured. "
-                                   "Memory and the graph against the run's are checked before anything is loaded. "
-                                   "Exit 0 when every output equals target-only decoding.")
+                                   "target forward, decode tokens/s and the speed-up, beside the held-out tau training "
+                                   "measured. Memory and the graph against the run's are checked before anything is "
+                                   "loaded. Greedy: exit 0 when every output equals target-only greedy decoding.")
     _common(ev)
     ev.add_argument("--checkpoint", required=True, metavar="DIR", help="the --out directory of a run")
     ev.add_argument("--prompts", type=int, default=16, help="prompts to decode: held-out ones, or the first N of each "
@@ -139,6 +140,12 @@ def parser() -> argparse.ArgumentParser:
                     help="the --bench files' record format (default: detected from each file's keys)")
     ev.add_argument("--host-memory", metavar="SIZE", help="the memory eval may use on a CPU device, e.g. 64GiB "
                                                           "(default: MemAvailable here)")
+    ev.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default): greedy, outputs identical to target-only greedy decoding; above 0: sampling, "
+                         "verified by the lossless speculative-sampling rule (docs/drafter.md, \"eval\")")
+    ev.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut, in (0, 1] (default 1: none); "
+                                                              "used only with --temperature above 0")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed: prompt i is decoded with seed + i (default 0)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     x = sub.add_parser("export", help="write the drafter as a Hugging Face DFlash draft directory",
                        description="Write DIR's drafter as config.json + model.safetensors in the DFlash draft "

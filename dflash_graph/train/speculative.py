@@ -1,84 +1,188 @@
-"""Real speculative decoding with the target and a trained drafter: greedy verification, the graph's block size.
+"""Real speculative decoding with the target and a trained drafter, against target-only decoding with the same
+KV cache: greedy or sampled verification (train/sampling.py), the graph's block size.
 
-Each round (as z-lab's `dflash_generate` with temperature 0, z-lab/dflash `dflash/model.py`): the last verified
-token is the anchor, slot 0 of a block whose other B-1 slots hold the mask token; the drafter, given the target's
-captured features of every earlier position as context, proposes B-1 tokens in one forward; the target runs once
-over the sequence plus those drafts; the drafts are accepted while each equals the target's own argmax at its
-position, and the target's argmax after the last accepted draft is the round's bonus token. A round yields
-`accepted + 1` tokens for one target forward, and the output is exactly target-only greedy decoding.
+Each round (as z-lab's ``dflash_generate``, z-lab/dflash ``dflash/model.py``): the last verified token is the
+anchor, slot 0 of a block whose other B-1 slots hold the mask token; the drafter, attending to its cached context
+(the target's captured features of every position before the anchor, projected once into each layer's K/V:
+``ContextCache`` in models/nn/dflash.py), proposes B-1 tokens in one forward; the target runs once over the block
+``[anchor, drafts]`` on top of its KV cache; verification accepts a prefix of the drafts and gives the next token
+(greedy: while each draft is the target's argmax; sampling: the speculative-sampling rule). The target's cache is
+then cut back to the anchor and the accepted drafts, and the features of those positions join the drafter's context.
+A round yields ``accepted + 1`` tokens for one target forward.
 
-Both decoders here recompute the target over the whole sequence at every forward (no KV cache): the wall-time
-ratio compares like with like, and "tokens per target forward" is what a cached server would gain per forward.
+NOTE [The target's cache after a rejection]: attention layers' K/V are cropped (transformers' ``Cache.crop``). A
+Gated DeltaNet layer (Qwen3.5) keeps a recurrent state and a convolution window instead, which hold every token the
+verify forward saw, rejected drafts included, and cannot be cut. We keep per-position states: the cache records the
+recurrent state after each of the block's B tokens and the convolution inputs of the block
+(``activate_past_recording(recurrent_states_to_keep=B)``, transformers' ``LinearAttentionLayer``: the verify
+forward then runs the block through the step-by-step recurrent kernel, which returns each state), and ``crop`` puts
+back the state after the last accepted token. Recording B states, not B-1: with B-1 the first token of the block
+runs through the chunked kernel, whose state is not recorded, so a round that accepts no draft would be cut back to
+the state before the anchor (measured: wrong logits from then on). Recording starts after the prefill, which then
+runs exactly as target-only decoding's. Recomputing from the last accepted position instead would cost a second
+target forward in every round with a rejection.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 import time
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..errors import GraphError, Location, Problem
+from .sampling import Sampling, draw, verify_greedy, verify_sampling
+
+GREEDY = Sampling()
+
+
+def check_sampling(temperature: float, top_p: float, seed: int) -> Sampling:
+    """The eval flags --temperature, --top-p and --seed, validated: a located error (exit 2) names the flag."""
+    for flag, value, ok, want, example in (
+            ("--temperature", temperature, math.isfinite(temperature) and temperature >= 0,
+             "a finite number >= 0 (0: greedy)", "0.7"),
+            ("--top-p", top_p, math.isfinite(top_p) and 0 < top_p <= 1, "a number in (0, 1] (1: no nucleus cut)",
+             "0.95"),
+            ("--seed", seed, seed >= 0, "an integer >= 0", "0")):
+        if not ok:
+            raise GraphError(Problem("out of range", Location(flag=f"{flag} {value}"), expected=want,
+                                     actual=str(value), hint=f"e.g. {flag} {example}"))
+    return Sampling(temperature, top_p)
+
 
 class Decoder:
-    """The target (its arch's transformers causal LM), its final norm and lm_head, and the drafter (DFlashDrafter)."""
+    """The target (its arch's transformers causal LM), its final norm and lm_head, and the drafter (DFlashDrafter).
+    ``forwards`` counts the target's forwards (prefill included) since it was last set to 0."""
 
     def __init__(self, target, drafter, layer_ids, block: int, eos: int | None):
         from ..models.nn.target import final_norm, lm_head
 
         self.target, self.drafter = target, drafter
         self.norm, self.head = final_norm(target), lm_head(target)
+        # the drafter's own final norm where it trained one, else the target's (the graph's `norm` node either way)
+        own = getattr(drafter, "norm", None)
+        self.draft_norm = self.norm if own is None else own
         self.layer_ids, self.block, self.eos = list(layer_ids), block, eos
         self.forwards = 0
+        self.prefill_seconds = 0.0              # of the last decode: the prompt's forward, before the first token
+        self.clock = time.perf_counter
+        # Gated DeltaNet (linear attention) layers: their state is recorded per position to be cut back
+        self.recurrent = "linear_attention" in (getattr(target.config, "layer_types", None) or ())
+        params = inspect.signature(target.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"    # transformers >= 5.2x: `cache`
 
-    def _target(self, ids: list[int], features: bool) -> tuple[Tensor, Tensor | None]:
-        from ..models.nn.target import body_forward
+    # ------------------------------------------------------------------ the target, cached
+    def new_cache(self):
+        """The target's own cache (``DynamicCache`` with its config: attention layers, and Gated DeltaNet layers
+        for Qwen3.5)."""
+        from transformers import DynamicCache
 
+        return DynamicCache(config=self.target.config)
+
+    def _start_recording(self, cache) -> None:
+        """Make ``cache`` croppable after a verify forward (NOTE [The target's cache after a rejection])."""
+        if not self.recurrent:
+            return
+        if not hasattr(cache, "activate_past_recording"):
+            raise RuntimeError("this transformers cannot roll a Gated DeltaNet state back after a rejected draft; "
+                               "speculative decoding of a Qwen3.5 target needs transformers >= 5.25")
+        cache.activate_past_recording(recurrent_states_to_keep=self.block)
+
+    def _cut(self, cache, rejected: int) -> None:
+        """Remove the last ``rejected`` tokens from the cache. With recorded states a crop of 0 is still needed: it
+        drops the recorded history and trims the convolution window back to its kernel."""
+        if rejected or self.recurrent:
+            cache.crop(-rejected)
+
+    def _target(self, ids: list[int], start: int, cache, features: bool, last_only: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        """Logits [T, V] (the last row only with ``last_only``) of tokens ``ids`` at positions start.., after the
+        cached ones, and their captured features [T, n*H] (the drafter's context) when ``features``."""
         dev = self.head.weight.device
-        x = torch.tensor(ids, dtype=torch.int64, device=dev)
-        last, cap = body_forward(self.target, x, torch.arange(len(ids), device=dev),
-                                 self.layer_ids if features else [])
-        self.forwards += 1
-        logits = self.head(self.norm(last))                                    # [T, V]
-        feats = torch.cat([cap[i] for i in self.layer_ids], -1) if features else None   # [T, n*H]
-        return logits, feats
+        layers = self.target.model.layers
+        got: dict[int, Tensor] = {}
 
-    def propose(self, ids: list[int], feats: Tensor, anchor: int) -> list[int]:
-        """The drafter's B-1 greedy proposals after the anchor, from the target's features of positions < anchor."""
-        dev = feats.device
-        ctx = torch.cat([feats[:anchor], feats.new_zeros(1, feats.shape[1])])  # position `anchor`: masked anyway
-        x = torch.tensor(ids, dtype=torch.int64, device=dev)
-        h = self.drafter(ctx, x, torch.arange(len(ids), device=dev), torch.tensor([anchor], device=dev))
-        return self.head(self.norm(h[0, 1:])).argmax(-1).tolist()
+        def hook(i):
+            def f(_m, _a, out):
+                got[i] = (out[0] if isinstance(out, tuple) else out)[0]
+            return f
+
+        handles = [layers[i].register_forward_hook(hook(i)) for i in self.layer_ids] if features else []
+        try:
+            x = torch.tensor([ids], dtype=torch.int64, device=dev)
+            out = self.target(input_ids=x, position_ids=torch.arange(start, start + len(ids), device=dev)[None],
+                              use_cache=True, logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache})
+        finally:
+            for h in handles:
+                h.remove()
+        self.forwards += 1
+        feats = torch.cat([got[i] for i in self.layer_ids], -1) if features else None
+        return out.logits[0], feats
+
+    # ------------------------------------------------------------------ the drafter, cached
+    def propose(self, ctx, anchor_token: int, anchor: int, sampling: Sampling,
+                generator: torch.Generator | None) -> tuple[list[int], Tensor | None]:
+        """The drafter's B-1 proposals after the anchor (at position ``anchor``), from its context cache ``ctx``
+        (every position before the anchor): the argmax of each slot, or a draw from each slot's q (returned too)."""
+        h = self.drafter.block_hidden(ctx, anchor_token, anchor)                   # [B, H]
+        logits = self.head(self.draft_norm(h[1:]))                                # [B-1, V]
+        if sampling.greedy:
+            return logits.argmax(-1).tolist(), None
+        q = sampling.probs(logits)
+        return draw(q, generator).tolist(), q
+
+    # ------------------------------------------------------------------ the two decoders
+    def _pick(self, logits: Tensor, sampling: Sampling, generator) -> int:
+        return int(logits.argmax()) if sampling.greedy else int(draw(sampling.probs(logits), generator))
 
     @torch.no_grad()
-    def greedy(self, prompt: list[int], max_new: int) -> list[int]:
-        """Target-only greedy decoding: one target forward per token."""
-        ids = list(prompt)
-        for _ in range(max_new):
-            logits, _ = self._target(ids, features=False)
-            ids.append(int(logits[-1].argmax()))
-            if ids[-1] == self.eos:
-                break
+    def target_only(self, prompt: list[int], max_new: int, sampling: Sampling = GREEDY,
+                    generator: torch.Generator | None = None) -> list[int]:
+        """Target-only decoding with the KV cache: the prompt's forward, then one forward per token."""
+        cache = self.new_cache()
+        t0 = self.clock()
+        logits, _ = self._target(list(prompt), 0, cache, False, last_only=True)
+        ids = list(prompt) + [self._pick(logits[-1], sampling, generator)]
+        self.prefill_seconds = self.clock() - t0
+        while len(ids) - len(prompt) < max_new and ids[-1] != self.eos:
+            logits, _ = self._target(ids[-1:], len(ids) - 1, cache, False)
+            ids.append(self._pick(logits[-1], sampling, generator))
         return ids[len(prompt):]
 
+    def greedy(self, prompt: list[int], max_new: int) -> list[int]:
+        """Target-only greedy decoding."""
+        return self.target_only(prompt, max_new)
+
     @torch.no_grad()
-    def speculative(self, prompt: list[int], max_new: int) -> tuple[list[int], list[int]]:
-        """(new tokens, accepted drafts per round). The prefill forward gives the first token and the features."""
+    def speculative(self, prompt: list[int], max_new: int, sampling: Sampling = GREEDY,
+                    generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+        """(new tokens, accepted drafts per round). The prefill forward gives the first token and the context."""
         B = self.block
-        logits, feats = self._target(list(prompt), features=True)
-        ids = list(prompt) + [int(logits[-1].argmax())]
+        cache, ctx = self.new_cache(), self.drafter.new_cache()
+        t0 = self.clock()
+        logits, feats = self._target(list(prompt), 0, cache, True, last_only=True)
+        ids = list(prompt) + [self._pick(logits[-1], sampling, generator)]
+        self.prefill_seconds = self.clock() - t0
+        self._start_recording(cache)
+        dev = feats.device
+        new_pos = torch.arange(len(prompt), device=dev)               # positions whose features join the context
         accepted: list[int] = []
         while len(ids) - len(prompt) < max_new and ids[-1] != self.eos:
-            anchor = len(ids) - 1                                               # the last verified token
-            drafts = self.propose(ids, feats, anchor)
-            logits, feats = self._target(ids + drafts, features=True)
-            post = logits[anchor: anchor + B].argmax(-1).tolist()               # target's argmax after each slot
-            n = 0
-            while n < B - 1 and drafts[n] == post[n]:
-                n += 1
+            anchor = len(ids) - 1                                     # the last verified token, not yet in any cache
+            self.drafter.extend_context(ctx, feats, new_pos)
+            drafts, q = self.propose(ctx, ids[anchor], anchor, sampling, generator)
+            logits, feats = self._target([ids[anchor], *drafts], anchor, cache, True)   # [B, V], [B, n*H]
+            if sampling.greedy:
+                n, nxt = verify_greedy(drafts, logits)
+            else:
+                n, nxt = verify_sampling(torch.tensor(drafts, device=dev), sampling.probs(logits), q, generator)
             accepted.append(n)
-            ids += drafts[:n] + [post[n]]
+            ids += drafts[:n] + [nxt]
+            self._cut(cache, B - 1 - n)                               # keep the anchor and the accepted drafts
+            feats, new_pos = feats[: n + 1], torch.arange(anchor, anchor + n + 1, device=dev)
             if self.eos in ids[anchor + 1:]:
                 ids = ids[: ids.index(self.eos, anchor + 1) + 1]
         return ids[len(prompt):][:max_new], accepted
@@ -98,37 +202,64 @@ def held_out_prompts(held, count: int, prompt_tokens: int) -> list[list[int]]:
     return out
 
 
-def measure(dec: Decoder, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
-    """Speculative and target-only greedy decoding of every prompt, side by side: acceptance length, tokens per
-    target forward, wall time, and whether the two outputs are identical."""
+def _rate(tokens: int, seconds: float) -> float | None:
+    return round(tokens / seconds, 2) if seconds > 0 else None
+
+
+def measure(dec: Decoder, prompts: list[list[int]], max_new: int, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int = 0, clock=time.perf_counter) -> dict[str, Any]:
+    """Speculative and target-only decoding of every prompt, side by side, both with the target's KV cache:
+    acceptance length, tokens per target forward, wall time and decode tokens/s, and losslessness.
+
+    ``greedy_*`` keys are target-only decoding's (greedy at temperature 0, sampled above). Prompt i is decoded by
+    both with generators seeded ``seed + i``. ``lossless``: at temperature 0, every output equals target-only
+    greedy decoding (``identical_to_greedy`` of ``prompts``); above it, None: sampled outputs are equal to
+    target-only sampling only in distribution, not token for token (the two consume the generator differently),
+    so there is nothing to compare per prompt; the chi-square test in tests/test_speculative.py is the proof.
+    ``*_decode_tokens_per_s``: tokens after the first over the time after the prompt's forward;
+    ``decode_speedup``: their ratio; ``speedup``: the whole decodes' wall times' ratio. ``clock``: what times them
+    (wall time; benchmarks/decode_speedup.py passes ``time.process_time``, steadier on a shared CPU)."""
+    sampling = Sampling(temperature, top_p)
+    dev = dec.head.weight.device
+    dec.clock = clock
     accepted: list[int] = []
-    spec_tokens = greedy_tokens = 0
-    spec_forwards = greedy_forwards = 0
-    spec_s = greedy_s = 0.0
-    identical = 0
-    for p in prompts:
+    spec_tokens = tgt_tokens = spec_forwards = tgt_forwards = 0
+    spec_s = tgt_s = spec_decode_s = tgt_decode_s = 0.0
+    same: list[bool | None] = []
+    for i, p in enumerate(prompts):
         dec.forwards = 0
-        t0 = time.perf_counter()
-        out_s, acc = dec.speculative(p, max_new)
-        spec_s += time.perf_counter() - t0
+        gen = torch.Generator(dev).manual_seed(seed + i)
+        t0 = clock()
+        out_s, acc = dec.speculative(p, max_new, sampling, gen)
+        spec_s += (dt := clock() - t0)
+        spec_decode_s += dt - dec.prefill_seconds
         spec_forwards += dec.forwards
         dec.forwards = 0
-        t0 = time.perf_counter()
-        out_g = dec.greedy(p, max_new)
-        greedy_s += time.perf_counter() - t0
-        greedy_forwards += dec.forwards
+        gen = torch.Generator(dev).manual_seed(seed + i)
+        t0 = clock()
+        out_t = dec.target_only(p, max_new, sampling, gen)
+        tgt_s += (dt := clock() - t0)
+        tgt_decode_s += dt - dec.prefill_seconds
+        tgt_forwards += dec.forwards
         accepted += acc
         spec_tokens += len(out_s)
-        greedy_tokens += len(out_g)
-        identical += out_s == out_g
+        tgt_tokens += len(out_t)
+        same.append(out_s == out_t if sampling.greedy else None)
     B = dec.block
     counts = [len(accepted)] + [sum(1 for a in accepted if a >= k) for k in range(1, B)]
     from .metrics import acceptance
 
     m = acceptance(counts)
+    spec_rate = _rate(spec_tokens - len(prompts), spec_decode_s)
+    tgt_rate = _rate(tgt_tokens - len(prompts), tgt_decode_s)
+    identical = sum(1 for s in same if s) if sampling.greedy else None
     return {"prompts": len(prompts), "rounds": len(accepted), "tau": m["tau"], "slot_accept": m["slot_accept"],
             "tokens": spec_tokens, "tokens_per_target_forward": round(spec_tokens / max(spec_forwards, 1), 4),
-            "greedy_tokens_per_target_forward": round(greedy_tokens / max(greedy_forwards, 1), 4),
-            "speculative_seconds": round(spec_s, 3), "greedy_seconds": round(greedy_s, 3),
-            "speedup": round(greedy_s / spec_s, 3) if spec_s > 0 else None,
-            "identical_to_greedy": identical, "block": B}
+            "greedy_tokens_per_target_forward": round(tgt_tokens / max(tgt_forwards, 1), 4),
+            "speculative_seconds": round(spec_s, 3), "greedy_seconds": round(tgt_s, 3),
+            "speedup": round(tgt_s / spec_s, 3) if spec_s > 0 else None,
+            "speculative_decode_tokens_per_s": spec_rate, "greedy_decode_tokens_per_s": tgt_rate,
+            "decode_speedup": round(spec_rate / tgt_rate, 3) if spec_rate and tgt_rate else None,
+            "identical_to_greedy": identical,
+            "lossless": (identical == len(prompts)) if sampling.greedy else None, "lossless_per_prompt": same,
+            "temperature": temperature, "top_p": top_p, "seed": seed, "kv_cache": True, "block": B}

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from dflash_graph.models.dflash import DFlashDims
 
 __all__ = [
+    "ContextCache",
     "DFlashDrafter",
     "DFlashLayer",
     "RMSNorm",
@@ -385,6 +386,47 @@ class DFlashLayer(nn.Module):
     def mlp(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys (k_norm, then RoPE) and values of normed context rows ctx [T, H]: [nkv, T, hd] each, exactly
+        the context part of ``attention``'s keys and values."""
+        t = ctx.shape[0]
+        k = _rope(self.k_norm(self.k_proj(ctx).view(t, self.nkv, self.hd)).transpose(0, 1), cos, sin)
+        return k, self.v_proj(ctx).view(t, self.nkv, self.hd).transpose(0, 1)
+
+    def forward_cached(self, h: Tensor, k_ctx: Tensor, v_ctx: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``forward`` for one block h [B, H] whose context is every cached row (k_ctx, v_ctx [nkv, T, hd]):
+        no mask, since every block slot sees the whole context (all before the anchor) and its own block;
+        cos/sin [B, hd] at the block's positions."""
+        x = self.input_layernorm(h)
+        nq = x.shape[0]
+        q = _rope(self.q_norm(self.q_proj(x).view(nq, self.nh, self.hd)).transpose(0, 1), cos, sin)
+        kb, vb = self.context_kv(x, cos, sin)       # the block's own keys/values: same projections, same RoPE
+        k, v = torch.cat([k_ctx, kb], 1), torch.cat([v_ctx, vb], 1)
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=self.nh != self.nkv)
+        h = h + self.o_proj(o[0].transpose(0, 1).reshape(nq, self.nh * self.hd))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ContextCache:
+    """The drafter's context cache for one decoded sequence: per layer, the keys and values of every context
+    position so far ([nkv, T, hd] each). A context row's K/V depend only on its own target features and position
+    (the context stream is ``hidden_norm(fc(features))`` for every layer, not the layer's input), so rows once
+    computed never change: decoding appends the rows of the tokens each round verified and never recomputes one,
+    as z-lab's ``dflash_generate`` does with its draft ``DynamicCache`` (cropped back to the context after each
+    block). Rejected drafts never enter it: only verified positions are context."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.k: list[Tensor | None] = [None] * n_layers
+        self.v: list[Tensor | None] = [None] * n_layers
+
+    def __len__(self) -> int:
+        return 0 if self.k[0] is None else int(self.k[0].shape[1])
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        old_k, old_v = self.k[layer], self.v[layer]
+        self.k[layer] = k if old_k is None else torch.cat([old_k, k], 1)
+        self.v[layer] = v if old_v is None else torch.cat([old_v, v], 1)
+
 
 class DFlashDrafter(nn.Module):
     """The DFlash drafter (everything between the captured target features and
@@ -481,3 +523,35 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             h = layer(h, ctx, cos, sin, bias)
         return h.view(anchors.numel(), bs, d.hidden_size)
+
+    # ------------------------------------------------------------------ decoding with a context cache
+    def new_cache(self) -> ContextCache:
+        return ContextCache(len(self.layers))
+
+    def extend_context(self, cache: ContextCache, features: Tensor, positions: Tensor) -> None:
+        """Append the context rows of verified positions: features [n, n*Ht] (the target's captured layers at
+        those positions), positions [n] (their position ids, consecutive after the cached rows)."""
+        if features.dim() != 2 or features.shape[1] != self.dims.fc_in_features:
+            raise ValueError(f"features: expected [n, {self.dims.fc_in_features}], got {tuple(features.shape)}")
+        dt = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(features.to(dt)))                          # [n, H]
+        cos, sin = self.rope(_as_1d_long(positions, "positions"), dt)
+        for i, layer in enumerate(self.layers):
+            cache.append(i, *layer.context_kv(ctx, cos, sin))
+
+    def block_hidden(self, cache: ContextCache, anchor_token: int, anchor_position: int) -> Tensor:
+        """[B, H] hidden states (before the final norm) of one block: slot 0 the anchor token at
+        ``anchor_position``, slots 1.. the mask token, attending to every cached context row (the positions
+        before the anchor) and to the whole block. Equals ``forward``'s block for that anchor with the same context
+        (tests/test_speculative.py compares them)."""
+        d = self.dims
+        dev, dt = self.fc.weight.device, self.fc.weight.dtype
+        ids = torch.full((d.block_size,), d.mask_token_id, dtype=torch.long, device=dev)
+        ids[0] = anchor_token
+        h = F.embedding(ids, self.embed.weight.detach()).to(dt)                  # [B, H]
+        cos, sin = self.rope(anchor_position + torch.arange(d.block_size, device=dev), dt)
+        empty = h.new_zeros(self.layers[0].nkv, 0, self.layers[0].hd) if len(cache) == 0 else None
+        for i, layer in enumerate(self.layers):
+            k, v = (cache.k[i], cache.v[i]) if empty is None else (empty, empty)
+            h = layer.forward_cached(h, k, v, cos, sin)
+        return h
