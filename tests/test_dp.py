@@ -212,3 +212,62 @@ def test_tiny_dp_on_two_nodes_through_a_c10d_rendezvous(in_repo, tmp_path):
     mem = json.loads((out / "memory.json").read_text())
     assert {d: v["rank"] for d, v in mem["devices"].items()} == {"t0": 0, "d0": 1, "t1": 2, "d1": 3}
     assert json.loads((out / "ranks" / "rank1.json").read_text())["writer"] is True
+
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_the_tracker_measures_what_check_counts_for_a_data_parallel_drafter(in_repo, tmp_path, engine):
+    """tiny_dp's drafter wrapped as the trainer wraps it (DistributedDataParallel on a 1-process gloo group; FSDP2's
+    fully_shard per layer and at the root on torch's fake process group of tiny_dp's 2 drafter ranks, where no
+    collective runs), one AdamW step, gradients dropped: the live bytes the tracker (exec/memtrack.py) measures on
+    d0 equal the drafter's resident bytes that check counts there (analysis/memory.py NOTE [Data-parallel memory]:
+    weights or their 1/M shards, AdamW's two moments, DDP's gradient buckets) byte for byte, plus AdamW's step
+    counters (a float32 scalar per parameter, torch/optim/adam.py _init_group; check does not count them: on CUDA
+    they stay on the host). Sharded, the moments are DTensors whose local tensors are made inside DTensor's own
+    dispatch, which a dispatch mode does not see: before the tracker counted a wrapper's inner tensors it measured
+    the weights' shards alone here."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from dflash_graph.analysis.memory import device_events
+    from dflash_graph.exec.memtrack import LiveTracker
+    from dflash_graph.models.nn.dflash import DFlashDrafter
+    from dflash_graph.rewrite.pipeline import compile_graph
+    from dflash_graph.train.trainer import Trainer
+
+    typed = compile_graph("graphs/tiny_dp.toml", [f"models.drafter.parallel={engine}"]).typed
+    events, _ = device_events(typed, "d0")
+    predicted = sum(e.size for e in events if e.op == "alloc" and e.label.startswith(
+        ("load/weights drafter.", "load/AdamW", "load/DDP")))
+    dims = typed.ctx.models["drafter"].dims
+    if engine == "fsdp":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    else:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(dims, torch.nn.Embedding(dims.vocab_size, dims.hidden_size), own_norm=False)
+        if engine == "fsdp":
+            Trainer._shard_fsdp(types.SimpleNamespace(store=types.SimpleNamespace(drafters={"drafter": drafter}),
+                                                      dp_group=dist.group.WORLD))
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        tr = LiveTracker()
+        for p in params:    # as the interpreter charges them (ModelStore.resident): a shard's local tensor
+            tr.adopt(p.to_local() if hasattr(p, "to_local") else p, "d0")
+        with tr:
+            tr.charge("d0")
+            wrapped = torch.nn.parallel.DistributedDataParallel(drafter) if engine == "ddp" else drafter  # buckets
+            opt = torch.optim.AdamW(params, lr=1e-3)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            measured = tr.live["d0"]
+        del wrapped
+    finally:
+        dist.destroy_process_group()
+    assert measured == predicted + 4 * len(params), (measured, predicted, len(params))

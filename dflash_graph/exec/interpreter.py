@@ -13,7 +13,7 @@ arrived in this rank's receive queue (`inbox`). In one process every device is l
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import attrs
@@ -149,7 +149,7 @@ class Interpreter:
         return sched
 
     def run_replica(self, r: int, batch_fn, keep: frozenset[Ref] = frozenset(), generator: torch.Generator | None = None,
-                    inbox: Mapping[str, torch.Tensor] | None = None,
+                    inbox: MutableMapping[str, torch.Tensor] | None = None,
                     sends: Mapping[str, Any] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         """Forward of the graph's local nodes for replica index r; returns the sink nodes' outputs (and, under
         their node ids, any outputs named in `keep`, which are then not freed after their last use). `generator`
@@ -175,7 +175,9 @@ class Interpreter:
                     env.pop(src, None)
                 continue
             if role == "recv":
-                outs = {"out": inbox[n.id]}
+                # taken out of the inbox: the buffer then lives only as long as its readers need it (freed after
+                # its last use like any value, as analysis/memory.py counts it), not to the end of the replica
+                outs = {"out": inbox.pop(n.id)}
                 if tr is not None:
                     tr.charge(dev, n.id)
             else:

@@ -16,6 +16,18 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a tensor's data: itself, or those inside a traceable wrapper subclass."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    out = []
+    for name in t.__tensor_flatten__()[0]:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):
+            out += _plain(inner)
+    return out
+
+
 class LiveTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -31,7 +43,12 @@ class LiveTracker(TorchDispatchMode):
 
     def adopt(self, t: torch.Tensor, device: str, charge: bool = True) -> None:
         """Charge a tensor that existed before tracking began (a weight) to `device`, once per device, and remember
-        its storage so that views of it (a transposed weight) are not counted as new memory."""
+        its storage so that views of it (a transposed weight) are not counted as new memory. A sharded weight (a
+        DTensor) is its local shard."""
+        for inner in _plain(t):
+            self._adopt(inner, device, charge)
+
+    def _adopt(self, t: torch.Tensor, device: str, charge: bool) -> None:
         st = t.untyped_storage()
         key = st.data_ptr() if st.nbytes() else id(st)
         self._refs.setdefault(key, (weakref.ref(st), "<adopted>", 0))
@@ -42,8 +59,15 @@ class LiveTracker(TorchDispatchMode):
     def _add(self, t: torch.Tensor, device: str | None) -> None:
         if device is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        if is_traceable_wrapper_subclass(t):   # a DTensor of a sharded drafter, an all-gather's async result:
-            return                             # the plain tensors inside are counted as they are made
+        if is_traceable_wrapper_subclass(t):
+            # a DTensor of a sharded drafter, an all-gather's async result: the wrapper has no storage of its own,
+            # and the plain tensors inside were made by the subclass's own dispatch, which this mode does not see
+            # (a mode is off while its handler runs): count those, as torch's MemTracker does
+            # (torch/distributed/_tools/common_utils.py, get_untyped_storages). Without it a sharded drafter's
+            # AdamW state (zeros_like of each DTensor master) went uncounted.
+            for inner in _plain(t):
+                self._add(inner, device)
+            return
         st = t.untyped_storage()
         key = st.data_ptr() if st.nbytes() else id(st)
         if key in self._refs and self._refs[key][0]() is not None:
