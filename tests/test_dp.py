@@ -13,13 +13,14 @@ Every launch runs in its own session and is killed with its whole process group 
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
 
 from dflash_graph.cli.main import main
 
-from test_distributed import free_port, launched, session_gone, torchrun
+from test_distributed import ROOT, ctrl_c_after_step_2, free_port, launched, session, session_gone, torchrun
 from test_run import read_metrics
 
 
@@ -271,3 +272,88 @@ def test_the_tracker_measures_what_check_counts_for_a_data_parallel_drafter(in_r
     finally:
         dist.destroy_process_group()
     assert measured == predicted + 4 * len(params), (measured, predicted, len(params))
+
+
+# a learning rate that depends on the step alone (warmup longer than any run here: train/trainer.py _lr_lambda), so
+# that a run interrupted and resumed for fewer steps follows the same schedule as one that trains them in one go
+WARMUP = ["--set", "train.warmup_steps=1000"]
+
+
+@pytest.mark.slow     # about 60 s on the shared 2-core machine
+def test_ctrl_c_during_a_data_parallel_run_stops_every_rank_and_its_checkpoint_resumes_exactly(in_repo, tmp_path):
+    """Ctrl-C at a terminal (SIGINT to torchrun and every rank) during tiny_dp on 4 ranks, once step 2 is logged:
+    every rank exits 130, one line (the writer's) says what was saved, and no process of the launch is left. The
+    checkpoint is the writer's alone (its replica holds the whole drafter and optimizer: trainer.pt), and tiny_dp
+    resumed from it on 4 ranks gives the losses and gradient norms of one process exactly, through 2 steps past
+    the interrupt."""
+    out, one = tmp_path / "run", tmp_path / "one"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(ROOT / "tests" / "test_distributed.py"), str(out), "graphs/tiny_dp.toml", *WARMUP, "--steps", "500",
+           "--out", str(out), "--no-progress"]
+    with session(cmd) as p:
+        text = ctrl_c_after_step_2(p, out)          # asserts that every process of the launch is gone
+    said = [ln for ln in text.splitlines() if ln.startswith(("interrupted", "dflash-graph:"))]
+    assert len(said) == 1 and said[0].startswith("interrupted: Ctrl-C (SIGINT, first seen by rank "), text
+    assert "lost" not in text, text
+    step = json.loads((out / "checkpoint" / "state.json").read_text())["step"]
+    assert f"checkpoint of step {step} saved" in said[0] and f"--resume {out}" in said[0] and step >= 2, said
+    assert {f.name: f.read_text() for f in out.glob("status.*")} == {f"status.{k}": "130" for k in range(4)}
+    code, res = torchrun(4, ["graphs/tiny_dp.toml", *WARMUP, "--steps", str(step + 2), "--out", str(out),
+                             "--resume", str(out)])
+    assert code == 0, res
+    assert main(["run", "graphs/tiny.toml", *WARMUP, "--steps", str(step + 2), "--out", str(one),
+                 "--no-progress"]) == 0
+    _same(read_metrics(one), read_metrics(out), step + 2)
+
+
+def _worst(a, b, keys=("loss", "grad_norm")) -> dict[str, float]:
+    """Per key, the largest relative difference over the steps of two runs' metrics."""
+    return {k: max(abs(x[k] - y[k]) / abs(x[k]) for x, y in zip(a, b)) for k in keys}
+
+
+@pytest.mark.slow     # about 50 s on the shared 2-core machine
+def test_fsdp_with_grad_accum_2_equals_one_process_up_to_fp32_rounding(in_repo, tmp_path):
+    """tiny_dp sharded (fsdp) with grad_accum = 2 on 4 ranks against tiny.toml in one process, the same global
+    batch (2 replicas x 2 micro-batches): each drafter rank accumulates its 2 micro-batches into its unsharded
+    gradients before the reduce-scatter at the step's last backward, one process sums them replica by replica, so
+    the additions run in another order: fp32 rounding (the recorded losses and gradient norms to their last
+    decimal, the weights within 1e-5 of each tensor's largest |w|)."""
+    one, dp = tmp_path / "one", tmp_path / "dp"
+    accum = ["--set", "train.grad_accum=2"]
+    assert main(["run", "graphs/tiny.toml", *accum, "--steps", "3", "--out", str(one), "--no-progress"]) == 0
+    code, out = torchrun(4, ["graphs/tiny_dp.toml", "--set", "models.drafter.parallel=fsdp", *accum, "--steps", "3",
+                             "--out", str(dp)])
+    assert code == 0, out
+    _close(read_metrics(one), read_metrics(dp), 3)
+    w = _weights_close(one, dp, 1e-5)
+    print(f"\nfsdp, grad_accum 2, 2 drafter ranks vs one process, 3 steps: {_worst(read_metrics(one), read_metrics(dp))}"
+          f" relative; weights within {w:.2g}")
+
+
+def _four_colocated(in_repo, tmp_path):
+    """graphs/tiny_colocated.toml with 4 devices in its group: 4 ranks, each a target and a drafter replica, so
+    the gradient all-reduce adds 4 addends."""
+    text = (in_repo / "graphs" / "tiny_colocated.toml").read_text().replace('"tiny/', f'"{in_repo}/graphs/tiny/')
+    extra = "".join(f'[devices.c{k}]\ntorch = "cpu"\ncapacity = "4 GiB"\nthroughput = "5 GFLOP/s"\n\n' for k in (2, 3))
+    text = text.replace("[groups]", extra + "[groups]").replace('pair = ["c0", "c1"]', 'pair = ["c0", "c1", "c2", "c3"]')
+    assert 'pair = ["c0", "c1", "c2", "c3"]' in text
+    path = tmp_path / "tiny_colocated4.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow     # about 60 s on the shared 2-core machine
+def test_four_drafter_replicas_per_all_reduce_equal_one_process_up_to_fp32_rounding(in_repo, tmp_path):
+    """tiny_colocated on 4 ranks (4 drafter replicas) against the same graph in one process (its 4 replicas
+    share one drafter, gradients summed replica by replica): gloo's all-reduce of 4 addends sums in its own order,
+    so the tolerance is fp32 rounding. The measured differences are printed (-s)."""
+    graph = _four_colocated(in_repo, tmp_path)
+    one, dp = tmp_path / "one", tmp_path / "dp"
+    assert main(["run", str(graph), "--steps", "3", "--out", str(one), "--no-progress"]) == 0
+    code, out = torchrun(4, [str(graph), "--steps", "3", "--out", str(dp)])
+    assert code == 0, out
+    assert set(read_metrics(dp)[0]["ranks"]) == {"0", "1", "2", "3"}
+    _close(read_metrics(one), read_metrics(dp), 3)
+    w = _weights_close(one, dp, 1e-5)
+    print(f"\n4 drafter replicas (ddp) vs one process, 3 steps: {_worst(read_metrics(one), read_metrics(dp))} "
+          f"relative; weights within {w:.2g}")

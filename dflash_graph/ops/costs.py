@@ -399,7 +399,6 @@ def drafter_forward(c: CostContext) -> NodeCost:
         workspace_bytes=dflash.forward_workspace_bytes(d, ctx, anchors, c.dtype_bytes),
         saved_bytes=dflash.forward_saved_bytes(d, ctx, anchors, c.dtype_bytes) if c.grad else 0,
         flops=dflash.forward_flops(d, ctx, anchors),
-        saved_inputs=("context",) if c.grad else (),
     )
 
 
