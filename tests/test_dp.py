@@ -279,7 +279,7 @@ def test_the_tracker_measures_what_check_counts_for_a_data_parallel_drafter(in_r
 WARMUP = ["--set", "train.warmup_steps=1000"]
 
 
-@pytest.mark.slow     # about 60 s on the shared 2-core machine
+@pytest.mark.slow     # 97 s on the shared 2-core machine at load average 7-8
 def test_ctrl_c_during_a_data_parallel_run_stops_every_rank_and_its_checkpoint_resumes_exactly(in_repo, tmp_path):
     """Ctrl-C at a terminal (SIGINT to torchrun and every rank) during tiny_dp on 4 ranks, once step 2 is logged:
     every rank exits 130, one line (the writer's) says what was saved, and no process of the launch is left. The
@@ -311,7 +311,7 @@ def _worst(a, b, keys=("loss", "grad_norm")) -> dict[str, float]:
     return {k: max(abs(x[k] - y[k]) / abs(x[k]) for x, y in zip(a, b)) for k in keys}
 
 
-@pytest.mark.slow     # about 50 s on the shared 2-core machine
+@pytest.mark.slow     # 62 s on the shared 2-core machine at load average 7-8
 def test_fsdp_with_grad_accum_2_equals_one_process_up_to_fp32_rounding(in_repo, tmp_path):
     """tiny_dp sharded (fsdp) with grad_accum = 2 on 4 ranks against tiny.toml in one process, the same global
     batch (2 replicas x 2 micro-batches): each drafter rank accumulates its 2 micro-batches into its unsharded
@@ -342,7 +342,7 @@ def _four_colocated(in_repo, tmp_path):
     return path
 
 
-@pytest.mark.slow     # about 60 s on the shared 2-core machine
+@pytest.mark.slow     # 73 s on the shared 2-core machine at load average 7-8
 def test_four_drafter_replicas_per_all_reduce_equal_one_process_up_to_fp32_rounding(in_repo, tmp_path):
     """tiny_colocated on 4 ranks (4 drafter replicas) against the same graph in one process (its 4 replicas
     share one drafter, gradients summed replica by replica): gloo's all-reduce of 4 addends sums in its own order,

@@ -37,7 +37,16 @@ NOTE [Data-parallel memory]: a model declared `parallel` (analysis/parallel.py) 
   all_gather_output, world_size x the padded shards), and during backward a unit's unsharded gradients with their
   shard (foreach_reduce: reduce_scatter_input and output). Counted as 2 units all-gathered from the start of each
   forward to the end of its backward and one reduce-scatter through the backward, both at the largest unit: an
-  upper bound (FSDP2 frees each unit's all-gather after its forward with reshard_after_forward=True).
+  estimate (FSDP2 frees each unit's all-gather after its forward with reshard_after_forward=True), which FSDP2 on
+  CPU/gloo exceeds: there its per-parameter all-gather outputs, copy-out and reduce-scatter splits held about 6
+  units and 2.5 units at the measured peak, freed when gloo's threads complete them (docs/distributed.md,
+  "Measured against predicted, per device": tiny_dp, 15-20% above this figure). Not changed without NCCL data.
+Measured on CPU (the live tracker, tiny_dp on 4 ranks): the DDP buckets and the resident bytes of both engines are
+exact (tests/test_dp.py, default suite); DDP's whole peak is an upper bound, 4.2% above, because the backward
+allocates every weight gradient at the first backward node, where autograd makes them layer by layer. At the
+forward's peak it is 263,092 B under: the drafter's context input, which autograd keeps as fc's input and
+ops/costs.py drafter_forward does not declare in saved_inputs (262,144 B; in one process too), and 948 B of the
+loss's small temporaries.
 """
 
 from __future__ import annotations
