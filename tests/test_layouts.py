@@ -168,3 +168,34 @@ def test_fsdp2_shards_are_one_mth_on_a_fake_group(tmp_path):
     assert local == [-(-r // 4) * (f // r) for r, f in zip(rows, full)]
     total = sum(full)
     assert fsdp_shard(total, 4) <= sum(local) <= fsdp_shard(total, 4) + sum(f // r for r, f in zip(rows, full))
+
+
+def test_layouts_start_from_a_colocated_graph(in_repo, tmp_path, capsys):
+    """NOTE [Colocated start] (analysis/layouts.py): tiny_colocated has no transfer, so its target side is what
+    must stay with the target's forward (the forward, what it reads, the hook that reads its taps); every other
+    node is the drafter side, and the 1:1 split carries each tensor that crosses in a transfer of its own. The
+    emitted graph checks back with the same peaks. (A 1-step `run` of it in one process passed when this test was
+    written, 17 s; left out to keep the default suite cheap.)"""
+    import json
+
+    from dflash_graph.cli.layouts import layout_plan
+
+    assert main(["check", "graphs/tiny_colocated.toml", "--layouts", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["layouts"]}
+    assert set(rows) == {"colocated-ddp", "1:1"} and all(r["verdict"] == "fits" for r in rows.values())
+    # colocated is the graph itself
+    plan = compile_graph("graphs/tiny_colocated.toml")
+    assert rows["colocated-ddp"]["peak_bytes"] == max(d.reserved_peak_bytes for d in plan.memory.devices.values())
+    out = tmp_path / "split.toml"
+    assert main(["plan", "graphs/tiny_colocated.toml", "--layout", "1:1", "--emit", str(out)]) == 0
+    capsys.readouterr()
+    want = layout_plan(plan, "1:1")
+    spec = want.typed.ctx.spec
+    on = {n.id: n.device for n in spec.nodes}
+    assert on["target"] == on["hooks"] == on["tokens"] == "c0" and on["drafter"] == on["loss"] == "c1"
+    moved = sorted(dict(n.inputs)["x"] for n in spec.nodes if n.id.endswith("_tx"))
+    assert moved == ["hooks.layer1", "hooks.layer3", "target.hidden", "tokens.input_ids", "tokens.loss_mask",
+                     "tokens.position_ids"], moved
+    back = compile_graph(str(out))
+    assert {d: m.peak_bytes for d, m in back.memory.devices.items()} == {
+        d: m.peak_bytes for d, m in want.memory.devices.items()}

@@ -12,6 +12,13 @@ transfers (ops whose Traits.movement is set). Over the graph's D devices, in the
 Each variant is a GraphSpec built from the given one (devices, models and dims as declared, nodes by their own
 records), so it goes through the same pipeline as any graph: build, infer, the rewrites, the memory model and
 the launch analysis. No torch here.
+
+NOTE [Colocated start]: a colocated graph has no transfers to say where its target side ends. Its target side is
+then the least that must stay with the target's forward: the nodes that run a model's body (Traits.modules
+"body"), everything they read (transitively), and the nodes that read a handle they make (a hook reads the
+forward's taps, which cannot cross devices). Every other node is the drafter side, and a split layout carries each
+tensor that crosses from the target side to the drafter side in a transfer of its own (`<node>_<output>_tx`,
+placed before its first reader); the rewrites then narrow them as they do any transfer.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import copy
 import attrs
 
 from ..errors import GraphError, Location, Problem
+from ..ir.graph import Ref
 from ..ops import registry
+from ..ops.catalog import TRANSFER
 from ..spec.document import GraphSpec, NodeSpec, frozen_map
 from .infer import Typed
 from .parallel import trainable_placements, trained_model
@@ -46,15 +55,36 @@ def sides(typed: Typed) -> tuple[str, str, set[str]]:
     drafter = next(iter(places))
     moves = {n.id for n in typed.graph.nodes if registry.get(n.op).traits.movement and n.device == drafter}
     others = {n.device for n in typed.graph.nodes if n.device != drafter}
-    if not others or not moves:
+    if not others and not moves:      # colocated: NOTE [Colocated start]
+        return drafter, drafter, set()
+    if not moves:
         raise GraphError(Problem("--layouts starts from a graph whose target nodes feed the drafter's through "
-                                 "transfers (N:M or N:1); in this one they share a placement", spec.loc("nodes"),
-                                 hint="run --layouts on the N:1 graph (graphs/tiny.toml for graphs/tiny_colocated.toml)"))
+                                 "transfers (N:M or N:1), or share its placement (colocated); in this one they "
+                                 "sit apart with no transfer between them", spec.loc("nodes"),
+                                 hint="carry what the drafter's nodes read from the target's in `transfer` nodes "
+                                      "placed on the drafter's device or group"))
     if len(others) > 1:
         raise GraphError(Problem(f"--layouts needs the graph's target nodes on one device or group; they are on "
                                  f"{', '.join(sorted(others))}", spec.loc("nodes"),
                                  hint="place every target-side node on one group (graphs/qwen27b.toml: `targets`)"))
     return (next(iter(others)) if others else drafter), drafter, moves
+
+
+def _target_side(typed: Typed) -> set[str]:
+    """NOTE [Colocated start]: the nodes that stay with the target's forward."""
+    g = typed.graph
+    side: set[str] = set()
+    todo = [n.id for n in g.nodes if "body" in registry.get(n.op).module_roles()]
+    while todo:
+        nid = todo.pop()
+        if nid in side:
+            continue
+        side.add(nid)
+        todo += [r.node for _, r in g[nid].inputs]
+        for k, t in typed.outputs_of(nid).items():
+            if t.dtype == "handle":
+                todo += [c for c, _ in g.consumers(Ref(nid, k))]
+    return side
 
 
 def enumerate_layouts(typed: Typed) -> list[Layout]:
@@ -103,12 +133,33 @@ def layout_spec(typed: Typed, layout: Layout) -> GraphSpec:
         return tuple(carried.get(r, r) for r in inputs)
 
     nodes = []
-    drafter_side = {ns.id for ns in spec.nodes if ns.device == dplace}
+    if tplace == dplace:      # a colocated start: NOTE [Colocated start]
+        target_side = _target_side(typed)
+        drafter_side = {ns.id for ns in spec.nodes if ns.id not in target_side}
+    else:
+        drafter_side = {ns.id for ns in spec.nodes if ns.device == dplace}
+    carry: dict[str, str] = {}      # a tensor from the target side -> the transfer that carries it (split layouts)
+
+    def carried_in(ns, inputs):
+        if colocated or ns.id not in drafter_side or tplace != dplace:
+            return inputs
+        out = {}
+        for p, r in (inputs.items() if hasattr(inputs, "items") else enumerate(inputs)):
+            if r.partition(".")[0] not in drafter_side:
+                if r not in carry:
+                    carry[r] = tx = f"{r.replace('.', '_')}_tx"
+                    nodes.append(NodeSpec(ns.index, tx, TRANSFER.name, frozen_map({"x": r}), frozen_map({}), dname,
+                                          note=f"--layout {layout.name}: carries {r} to the drafter side"))
+                r = f"{carry[r]}.out"
+            out[p] = r
+        return frozen_map(out) if hasattr(inputs, "items") else tuple(out[i] for i in range(len(inputs)))
+
     for ns in spec.nodes:
         if colocated and ns.id in moves:
             continue
         device = dname if ns.id in drafter_side else tname
-        nodes.append(attrs.evolve(ns, device=device, inputs=rewire(ns.inputs)))
+        inputs = carried_in(ns, rewire(ns.inputs))
+        nodes.append(attrs.evolve(ns, device=device, inputs=inputs))
     models = dict(spec.models)
     models[model] = attrs.evolve(models[model], parallel=layout.engine)
     doc = copy.deepcopy(dict(spec.resolved))
