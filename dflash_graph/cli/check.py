@@ -103,6 +103,11 @@ def _extras(args, plan: Plan) -> dict[str, tuple[object, str]]:
 
         rows = layout_rows(plan)
         out["layouts"] = ([r.to_json() for r in rows], render_layouts(plan, rows))
+    if getattr(args, "capture", None) is not None:
+        from ..analysis.capture import capture_bill, render_bill
+
+        bill = capture_bill(plan, args.capture or None)
+        out["capture"] = (bill.to_json(), render_bill(bill))
     if getattr(args, "plot", None):
         from .plot import plot_plan
 

@@ -63,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--layouts", action="store_true",
                    help="predict every layout of the graph's devices (colocated, each N:M split, N:1), each checked "
                         "as a graph variant: fits or OOM, peak, bottleneck rank, samples/s (docs/distributed.md)")
+    c.add_argument("--capture", nargs="?", const="", default=None, metavar="DIR",
+                   help="the hidden-state cache's storage bill: bytes per sample and per corpus for each storage "
+                        "choice, the read rate the drafter needs, and whether it fits on [capture] disk or, given "
+                        "DIR, the free space of DIR's filesystem (docs/offline.md)")
     c.add_argument("--plot", metavar="FILE.png|svg", help="draw each device's memory over the schedule, by category, "
                                                           "as written and rewritten (needs matplotlib)")
     e = sub.add_parser("explain", help="one node: its contract, shapes, memory and FLOP formulas, and its rewrites",

@@ -85,6 +85,7 @@ class GraphSpec:
     lines: LineIndex = attrs.field(eq=False, repr=False)
     description: str = ""
     launch: LaunchSpec = LaunchSpec()
+    capture: Mapping[str, Any] = attrs.field(factory=dict)   # [capture]: the hidden-state cache (docs/offline.md)
     # the whole document as loaded, --set applied and config.json files read in: what a run records, and what a
     # resume compares against (train/rundir.py)
     resolved: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)

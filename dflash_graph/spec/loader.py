@@ -173,6 +173,7 @@ class _Builder:
         nodes = self.build_nodes(raw.get("nodes", []))
         train = self.check_keys(raw.get("train", {}), schema.TRAIN, ("train",))
         data = self.check_keys(raw["data"], schema.DATA, ("data",)) if "data" in raw else {}
+        capture = self.check_keys(raw.get("capture", {}), schema.CAPTURE, ("capture",))
         for key, readers in (("text_key", ("auto", "text", "hf")), ("messages_key", ("auto", "chat", "hf"))):
             fmt = data.get("format")
             if isinstance(raw.get("data"), dict) and key in raw["data"] and fmt not in readers:
@@ -191,7 +192,7 @@ class _Builder:
             groups=frozen_map(groups), models=frozen_map(models), nodes=tuple(nodes),
             memory=MemorySpec(bool(memory["expandable_segments"]), memory["max_split_size"], memory["host_memory"]),
             train=frozen_map(train), data=frozen_map({**data, "_base": str(self.base)}), lines=self.lines,
-            launch=launch,
+            launch=launch, capture=frozen_map(capture),
         )
 
     def build_launch(self, table: Any) -> LaunchSpec:
@@ -437,7 +438,8 @@ def _section_at(path: Path) -> schema.Section | None:
     if shape == ():
         return schema.TOP
     if len(shape) == 1:
-        return {"graph": schema.GRAPH, "memory": schema.MEMORY, "launch": schema.LAUNCH, "train": schema.TRAIN, "data": schema.DATA}.get(shape[0])
+        return {"graph": schema.GRAPH, "memory": schema.MEMORY, "launch": schema.LAUNCH, "train": schema.TRAIN, "data": schema.DATA,
+                "capture": schema.CAPTURE}.get(shape[0])
     if len(shape) == 2 and shape[0] == "devices":
         return schema.DEVICE
     if len(shape) == 2 and shape[0] == "models":

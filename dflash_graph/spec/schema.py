@@ -203,6 +203,15 @@ DATA = Section("data", "Training data for `dflash-graph run` (formats and errors
         "every train.eval_every steps.", default=0),
 ))
 
+CAPTURE = Section("capture", "The hidden-state cache that `dflash-graph capture` writes and `run --hidden-states` "
+                  "reads (docs/offline.md); `check --capture` prints its storage bill.", (
+    Key("samples", "int", "Packed sequences of `seq` tokens the cache holds (the corpus, in samples). Absent: what "
+        "`run` trains on, train.steps x train.grad_accum x the replicas of the target group.", low=1, high=10**12),
+    Key("disk", "size", "Space the cache may take, e.g. \"40 TB\". Absent: the free space of the filesystem of "
+        "`capture --out` (`check --capture DIR`), read with shutil.disk_usage.", default=None),
+    Key("shard_samples", "int", "Samples per safetensors shard.", default=64, low=1, high=10**6),
+))
+
 TOP = Section("(top level)", "The sections of a graph file.", (
     Key("graph", "table", "See [graph]."),
     Key("dims", "table", "See [dims].", required=True),
@@ -214,9 +223,10 @@ TOP = Section("(top level)", "The sections of a graph file.", (
     Key("nodes", "list", "See [[nodes]].", required=True),
     Key("train", "table", "See [train]."),
     Key("data", "table", "See [data]."),
+    Key("capture", "table", "See [capture]."),
 ))
 
-SECTIONS = (TOP, GRAPH, DIMS, DEVICE, GROUPS, MEMORY, LAUNCH, MODEL, NODE, TRAIN, DATA)
+SECTIONS = (TOP, GRAPH, DIMS, DEVICE, GROUPS, MEMORY, LAUNCH, MODEL, NODE, TRAIN, DATA, CAPTURE)
 
 
 # -- JSON Schema (for editors: taplo, Even Better TOML) ---------------------------------------------------------
@@ -285,6 +295,7 @@ def json_schema() -> dict:
     props["nodes"] = {"type": "array", "description": NODE.doc, "minItems": 1, "items": section_schema(NODE)}
     props["train"] = section_schema(TRAIN)
     props["data"] = section_schema(DATA)
+    props["capture"] = section_schema(CAPTURE)
     return {"$schema": "http://json-schema.org/draft-07/schema#",
             "$id": "https://github.com/dflash-graph/dflash-graph/docs/graph.schema.json",
             "title": "dflash-graph training graph",

@@ -1,0 +1,460 @@
+"""The hidden-state cache, without torch: where a graph is cut (its transfers), what crosses the cut per sample and
+in bytes, the storage bill for each way of storing it, the cache's signature and manifest, and the comparison of
+two signatures that names each difference. `check --capture` reads this module; `dflash-graph capture` and
+`run --hidden-states` (train/hidden_cache.py) write and read what it describes. docs/offline.md.
+
+NOTE [The cut]: a cache holds, per sample (one packed sequence of one replica), exactly the tensors that cross the
+graph's transfers (ops with `Traits.movement`), as the target side's nodes produce them: reading them back is
+the drafter side's receive, so what it computes from them is what it computes online. The target side is every
+device a transfer reads from, the drafter side every device a transfer writes to; a graph whose sides share a
+device has no cut (refused). A transfer whose value depends on a node that is not deterministic (anchor
+sampling: `Traits.deterministic = False`) is *anchored*: the cache fixes those draws at capture time.
+
+NOTE [Storage choices]: "anchored" stores what the checked graph's transfers carry (after the rewrites: the
+verifier's rows only at the anchors, `gather_through_positionwise` applied to the disk), with the anchors fixed
+at capture, one draw per sample; "all" stores the graph as written's anchor-independent transfers (the whole last
+hidden state and the hooked layers) and the data the anchor sampler reads (loss mask, positions), so that anchors
+are drawn again every epoch. The bytes are exact products of the checked shapes and dtype widths (ir/types.py
+TensorType.nbytes), plus the safetensors header that names each tensor (a JSON object: 8 bytes of length, then
+the names, dtypes, shapes and offsets, padded to 8 bytes; https://github.com/huggingface/safetensors#format),
+estimated per tensor entry as written by `safetensors.torch.save_file`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..errors import GraphError, Location, Problem
+from ..ir.graph import Ref
+from ..ops import registry
+from ..units import fmt_bytes, fmt_seconds
+from .infer import Typed
+from .launch import analyze_launch, replicas
+
+FORMAT = "dflash-graph hidden-state cache"
+VERSION = 1
+MANIFEST = "manifest.json"
+STORAGES = ("anchored", "all")     # the default first (NOTE [Storage choices])
+
+
+@attrs.frozen
+class Crossing:
+    """One tensor that crosses the cut, per sample."""
+    node: str                 # the transfer node (its output is what the drafter side reads)
+    source: str               # `node.output` the transfer reads on the target side
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    anchored: bool            # depends on a non-deterministic node (the anchors): fixed at capture
+
+
+@attrs.frozen
+class Cut:
+    target_devices: tuple[str, ...]
+    drafter_devices: tuple[str, ...]
+    crossings: tuple[Crossing, ...]
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return sum(c.nbytes for c in self.crossings)
+
+
+def _random_descendants(typed: Typed) -> set[str]:
+    """Nodes whose value depends on a node that is not deterministic (anchor sampling), by trait."""
+    out: set[str] = set()
+    for n in typed.graph.nodes:   # topological order
+        if not registry.get(n.op).traits.deterministic or any(r.node in out for _, r in n.inputs):
+            out.add(n.id)
+    return out
+
+
+def find_cut(typed: Typed) -> Cut:
+    """The graph's cut at its transfers (NOTE [The cut]); a graph without one is refused, with the reason."""
+    g = typed.graph
+    spec = typed.ctx.spec
+    moves = [n for n in g.nodes if registry.get(n.op).traits.movement]
+    if not moves:
+        raise GraphError(Problem("the graph has no transfer node, so there is nothing to capture: the cache holds what "
+                                 "crosses the transfers from the target's devices to the drafter's",
+                                 spec.loc("nodes"), hint="place the target's nodes and the drafter's on different "
+                                 "devices, joined by transfer nodes (graphs/tiny.toml)"))
+    random = _random_descendants(typed)
+    src_devs: list[str] = []
+    dst_devs: list[str] = []
+    crossings = []
+    for n in moves:
+        (_, src), = n.inputs
+        for d in typed.ctx.devices_of(g[src.node].device):
+            if d not in src_devs:
+                src_devs.append(d)
+        for d in typed.ctx.devices_of(n.device):
+            if d not in dst_devs:
+                dst_devs.append(d)
+        t = typed.types[Ref(n.id, "out")]
+        crossings.append(Crossing(n.id, str(src), tuple(t.sizes), t.dtype, t.nbytes, src.node in random))
+    both = sorted(set(src_devs) & set(dst_devs))
+    if both:
+        raise GraphError(Problem(f"device(s) {', '.join(both)} hold both sides of a transfer: the graph has no cut "
+                                 "between a target side and a drafter side", spec.loc("nodes"),
+                                 hint="the cache needs every transfer to go from a target device to a drafter device"))
+    trainable_src = [n for n in g.nodes if n.model and typed.ctx.models[n.model].spec.trainable
+                     and set(typed.ctx.devices_of(n.device)) & set(src_devs)]
+    if trainable_src:
+        raise GraphError(Problem(f"node '{trainable_src[0].id}' uses a trainable model on the target side of the cut: "
+                                 "a cache would freeze what it computes", typed.ctx.loc(trainable_src[0]),
+                                 hint="move the trainable model's nodes behind the transfers"))
+    return Cut(tuple(src_devs), tuple(dst_devs), tuple(crossings))
+
+
+# NOTE [Header bytes]: safetensors.torch.save_file writes, per tensor, a JSON entry
+# "NAME":{"dtype":"F32","shape":[A,B],"data_offsets":[BEGIN,END]} joined by commas in one object, then pads the
+# header to a multiple of 8 bytes (safetensors 0.4+). The estimate writes that entry with offsets of the shard's
+# size: exact up to the digits of the offsets and the padding, a few bytes per tensor.
+_ST_DTYPE = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
+             "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3"}
+
+
+def tensor_key(sample: int, node: str) -> str:
+    """The name of one crossing of one sample in a shard."""
+    return f"{sample:012d}/{node}"
+
+
+def header_bytes(crossings: Sequence[Crossing], shard_bytes: int) -> int:
+    """Bytes of one sample's entries in a safetensors header (NOTE [Header bytes])."""
+    n = 0
+    for c in crossings:
+        entry = json.dumps({tensor_key(0, c.node): {"dtype": _ST_DTYPE.get(c.dtype, c.dtype), "shape": list(c.shape),
+                                                    "data_offsets": [shard_bytes, shard_bytes]}}, separators=(",", ":"))
+        n += len(entry) - 2 + 1     # the entry without the braces, and its comma
+    return n
+
+
+@attrs.frozen
+class Storage:
+    name: str
+    what: str
+    payload_per_sample: int      # the tensors' bytes
+    per_sample: int              # with the safetensors header's share
+    total: int
+    capturable: bool             # `dflash-graph capture` writes it (else: predicted only)
+
+
+@attrs.frozen
+class Bill:
+    samples: int
+    samples_from: str
+    samples_per_step: int
+    storages: tuple[Storage, ...]
+    as_written_per_sample: int           # the anchored storage of the graph as written (before the rewrites)
+    disk_bytes: int | None
+    disk_from: str
+    drafter_step_seconds: float | None   # the drafter side's predicted busy time per optimizer step
+    crossings: tuple[Crossing, ...]
+
+    @property
+    def default(self) -> Storage:
+        return self.storages[0]
+
+    @property
+    def fits(self) -> bool:
+        return self.disk_bytes is None or self.default.total <= self.disk_bytes
+
+    def read_bandwidth(self, s: Storage) -> float | None:
+        """Bytes per second the reader must deliver so the drafter never waits: a step's samples per predicted
+        drafter step."""
+        if not self.drafter_step_seconds:
+            return None
+        return s.per_sample * self.samples_per_step / self.drafter_step_seconds
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "default": self.default.name, "samples": self.samples, "samples_from": self.samples_from,
+            "samples_per_step": self.samples_per_step,
+            "bytes_per_sample": {s.name: s.per_sample for s in self.storages},
+            "bytes_total": {s.name: s.total for s in self.storages},
+            "storages": [{"name": s.name, "what": s.what, "payload_bytes_per_sample": s.payload_per_sample,
+                          "bytes_per_sample": s.per_sample, "bytes_total": s.total, "capture_writes": s.capturable,
+                          "read_bytes_per_second": self.read_bandwidth(s)} for s in self.storages],
+            "as_written_bytes_per_sample": self.as_written_per_sample,
+            "rewrites_save_bytes_per_sample": self.as_written_per_sample - self.default.payload_per_sample,
+            "disk_bytes": self.disk_bytes, "disk_from": self.disk_from, "fits": self.fits,
+            "drafter_step_seconds": self.drafter_step_seconds,
+            "crossings": [{"node": c.node, "source": c.source, "shape": list(c.shape), "dtype": c.dtype,
+                           "bytes": c.nbytes, "anchored": c.anchored} for c in self.crossings],
+        }
+
+
+def default_samples(typed: Typed) -> tuple[int, str]:
+    cap, train = typed.ctx.spec.capture, typed.ctx.spec.train
+    if cap.get("samples"):
+        return int(cap["samples"]), "[capture] samples"
+    per_step = samples_per_step(typed)
+    return int(train.get("steps") or 1) * per_step, f"train.steps x grad_accum x replicas = {int(train.get('steps') or 1)} x {per_step}"
+
+
+def samples_per_step(typed: Typed) -> int:
+    return int(typed.ctx.spec.train.get("grad_accum") or 1) * replicas(typed)
+
+
+def free_disk(directory: str | os.PathLike) -> tuple[int, str]:
+    """The free bytes of the filesystem that holds `directory` (or its nearest existing parent)."""
+    p = Path(directory).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free, f"free space of the filesystem of {directory} (shutil.disk_usage)"
+
+
+def _all_rows(original: Typed) -> tuple[int, str]:
+    """The "all" storage per sample: the graph as written's anchor-independent crossings, and what the anchor
+    sampler reads that does not cross already (NOTE [Storage choices])."""
+    cut = find_cut(original)
+    g = original.graph
+    keep = [c for c in cut.crossings if not c.anchored]
+    crossing_sources = {c.source for c in keep}
+    extra: dict[str, int] = {}
+    for n in g.nodes:
+        if registry.get(n.op).traits.deterministic:
+            continue
+        for _, r in n.inputs:
+            if str(r) not in crossing_sources:
+                extra[str(r)] = original.types[r].nbytes
+    what = ", ".join([*(c.node for c in keep), *extra]) + " (anchors drawn again each epoch)"
+    return sum(c.nbytes for c in keep) + sum(extra.values()), what
+
+
+def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
+    """The storage bill of a checked plan (rewrite/pipeline.Plan: `original` as written, `typed` as run)."""
+    typed, original = plan.typed, plan.original
+    cut = find_cut(typed)
+    samples, samples_from = default_samples(typed)
+    shard = int(typed.ctx.spec.capture.get("shard_samples") or 64)
+    pay = cut.bytes_per_sample
+    head = header_bytes(cut.crossings, pay * shard)
+    anchored = Storage("anchored", "the checked graph's transfers: " + ", ".join(c.node for c in cut.crossings)
+                       + " (anchors fixed at capture, one draw per sample)", pay, pay + head, (pay + head) * samples,
+                       True)
+    all_pay, all_what = _all_rows(original)
+    all_head = header_bytes(find_cut(original).crossings, all_pay * shard)
+    every = Storage("all", all_what, all_pay, all_pay + all_head, (all_pay + all_head) * samples, False)
+    as_written = find_cut(original).bytes_per_sample
+    disk = typed.ctx.spec.capture.get("disk")
+    if disk is not None:
+        disk_bytes, disk_from = int(disk), "[capture] disk"
+    elif disk_dir is not None:
+        disk_bytes, disk_from = free_disk(disk_dir)
+    else:
+        disk_bytes, disk_from = None, "not declared ([capture] disk) and no directory given (check --capture DIR)"
+    launch = analyze_launch(typed)
+    busy = [launch.devices[d].busy_seconds for d in cut.drafter_devices if d in launch.devices]
+    # one process runs every drafter device's nodes of a step one after another: their busy times add
+    step = sum(busy) if busy and all(b is not None for b in busy) else None
+    return Bill(samples, samples_from, samples_per_step(typed), (anchored, every), as_written, disk_bytes, disk_from,
+                step, cut.crossings)
+
+
+def _rate(bps: float) -> str:
+    for unit, k in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bps >= k:
+            return f"{bps / k:.3g} {unit}"
+    return f"{bps:.3g} B/s"
+
+
+def _tb(n: int) -> str:
+    """Decimal terabytes, as disks and DeepSpec's "38 TB" are counted."""
+    return f"{n / 1e12:,.1f} TB" if n >= 1e11 else fmt_bytes(n)
+
+
+def render_bill(b: Bill) -> str:
+    lines = [f"capture: the hidden-state cache (docs/offline.md): {b.samples:,} samples ({b.samples_from}), "
+             f"{b.samples_per_step} per optimizer step"]
+    lines.append(f"  {'storage':<10}{'per sample':>14}{'total':>14}{'read rate':>14}  what")
+    for s in b.storages:
+        bw = b.read_bandwidth(s)
+        tag = "" if s.capturable else " [predicted; capture writes 'anchored']"
+        lines.append(f"  {s.name:<10}{fmt_bytes(s.per_sample):>14}{_tb(s.total):>14}"
+                     f"{(_rate(bw) if bw else '-'):>14}  {s.what}{tag}")
+    saved = b.as_written_per_sample - b.default.payload_per_sample
+    lines.append(f"  the rewrites save {fmt_bytes(saved)} per sample ({fmt_bytes(saved * b.samples)} in all): the graph "
+                 f"as written sends {fmt_bytes(b.as_written_per_sample)} per sample, the checked graph "
+                 f"{fmt_bytes(b.default.payload_per_sample)}")
+    if b.drafter_step_seconds:
+        lines.append(f"  read rate: a step's {b.samples_per_step} samples within the drafter's predicted busy time "
+                     f"of {fmt_seconds(b.drafter_step_seconds)} per step")
+    if b.disk_bytes is None:
+        lines.append(f"  disk: {b.disk_from}")
+    else:
+        verdict = "fits" if b.fits else f"does NOT fit: {fmt_bytes(b.default.total - b.disk_bytes)} short"
+        lines.append(f"  disk: {fmt_bytes(b.disk_bytes)} ({b.disk_from}); the '{b.default.name}' cache {verdict}")
+    return "\n".join(lines)
+
+
+def refuse_unless_fits(b: Bill, where: Location) -> None:
+    if b.fits:
+        return
+    s = b.default
+    raise GraphError(Problem(f"the cache would not fit: {b.samples:,} samples x {fmt_bytes(s.per_sample)} = "
+                             f"{fmt_bytes(s.total)}, and {fmt_bytes(b.disk_bytes)} is available ({b.disk_from})",
+                             where, expected=f"at most {fmt_bytes(b.disk_bytes)}", actual=fmt_bytes(s.total),
+                             hint="capture fewer samples (--set capture.samples=N), write to a larger disk, or "
+                                  "declare [capture] disk if the free space read here is not what the cache may use"))
+
+
+# -- the signature ---------------------------------------------------------------------------------------------
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def weights_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+    return [path]
+
+
+def signature(typed: Typed, rewritten: bool, weights_hash: Mapping[str, str | None]) -> dict[str, Any]:
+    """What a cache depends on: any difference makes the cached tensors differ from what this graph computes.
+    `weights_hash`: model name -> sha256 of the target's weights (file_sha256 over its files), None for random
+    initialisation."""
+    spec = typed.ctx.spec
+    cut = find_cut(typed)
+    target_models = sorted({n.model for n in typed.graph.nodes if n.model and
+                            set(typed.ctx.devices_of(n.device)) & set(cut.target_devices)})
+    models = {}
+    for m in target_models:
+        info = typed.ctx.models[m]
+        cfg = json.dumps(dict(info.config), sort_keys=True, default=str)
+        models[m] = {"arch": info.spec.arch, "dtype": info.spec.dtype,
+                     "config_sha256": hashlib.sha256(cfg.encode()).hexdigest(), "weights_sha256": weights_hash.get(m)}
+    layer_ids = {m: list(info.config.get("target_layer_ids", ())) for m, info in typed.ctx.models.items()
+                 if "target_layer_ids" in info.config}
+    random = sorted(_random_descendants(typed) & {n.id for n in typed.graph.nodes
+                                                  if not registry.get(n.op).traits.deterministic})
+    data = {k: v for k, v in spec.data.items() if not k.startswith("_")}
+    return {
+        "graph": spec.name,
+        "dims": {k: int(v) if isinstance(v, int) else v for k, v in typed.ctx.env.bindings().items()},
+        "rewritten": rewritten,
+        "crossings": {c.node: {"source": c.source, "shape": list(c.shape), "dtype": c.dtype, "anchored": c.anchored}
+                      for c in cut.crossings},
+        "target_models": models,
+        "target_layer_ids": layer_ids,
+        "anchors": {"nodes": {n: dict(sorted((k, v) for k, v in typed.params[n].items() if not k.startswith("_")))
+                              for n in random},
+                    "seed": int(spec.train.get("seed", 0)), "grad_accum": int(spec.train.get("grad_accum") or 1),
+                    "replicas": replicas(typed), "policy": "fixed at capture, one draw per sample"},
+        "data": data,
+        "storage": "anchored",
+    }
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out or {prefix: {}}
+    return {prefix: d}
+
+
+def compare_signatures(cached: Mapping[str, Any], graph: Mapping[str, Any]) -> list[str]:
+    """Each difference as 'KEY: cache has A, the graph has B' (absent on one side: 'absent')."""
+    a, b = _flat(cached), _flat(graph)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if a.get(k, "absent") != b.get(k, "absent"):
+            out.append(f"{k}: the cache has {json.dumps(a.get(k, 'absent'))}, the graph has {json.dumps(b.get(k, 'absent'))}")
+    return out
+
+
+def json_safe(d: Any) -> Any:
+    return json.loads(json.dumps(d, default=str))
+
+
+# -- the manifest ----------------------------------------------------------------------------------------------
+
+def new_manifest(sig: Mapping[str, Any], samples: int, shard_samples: int) -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "signature": json_safe(sig), "samples": samples,
+            "shard_samples": shard_samples, "shards": []}
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.safetensors"
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    loc = Location(str(path))
+    if not path.exists():
+        raise GraphError(Problem(f"{directory} is not a hidden-state cache: it has no {MANIFEST}", loc,
+                                 hint=f"write one with: dflash-graph capture GRAPH --out {directory}"))
+    try:
+        m = json.loads(path.read_text())
+    except ValueError as e:
+        raise GraphError(Problem(f"{path} is not JSON: {e}", loc, hint="capture again into an empty directory")) from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise GraphError(Problem(f"{path} is not a manifest this dflash-graph reads", loc,
+                                 expected=f"format {FORMAT!r}, version {VERSION}",
+                                 actual=f"format {m.get('format') if isinstance(m, dict) else None!r}, version "
+                                        f"{m.get('version') if isinstance(m, dict) else None}",
+                                 hint="capture again with this version"))
+    return m
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write to a temporary beside `path`, fsync, rename over: a kill leaves the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's header, read as JSON without torch (8 bytes of little-endian length, then JSON)."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
+def shard_problem(directory: Path, entry: Mapping[str, Any]) -> str | None:
+    """Why a shard of the manifest is not as recorded (missing, other size, other sha256), or None."""
+    path = directory / entry["file"]
+    if not path.exists():
+        return f"{path}: missing"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return f"{path}: {size:,} bytes, the manifest records {entry['bytes']:,}"
+    digest = file_sha256(path)
+    if digest != entry["sha256"]:
+        return f"{path}: sha256 {digest[:16]}..., the manifest records {entry['sha256'][:16]}..."
+    return None
