@@ -14,6 +14,8 @@ EXAMPLES = """examples:
   dflash-graph check graphs/qwen27b.toml --no-rewrite    # the graph exactly as written
   dflash-graph check graphs/tiny.toml --json --set dims.seq=512
   dflash-graph run graphs/tiny.toml                      # train the embedded tiny default on CPU
+  dflash-graph capture graphs/tiny.toml --out cache/tiny # the target side once, to disk (docs/offline.md)
+  dflash-graph run graphs/tiny.toml --hidden-states cache/tiny   # the drafter alone, from the cache
   dflash-graph launch --nproc-per-node 3 run graphs/tiny.toml --out runs/tiny-torchrun   # one process per rank
   dflash-graph eval graphs/tiny.toml --checkpoint runs/tiny   # speculative decoding: measured acceptance length
   dflash-graph export runs/tiny --out runs/tiny/hf       # the drafter in the DFlash format SGLang loads
@@ -114,6 +116,32 @@ def parser() -> argparse.ArgumentParser:
                                                                "is set)")
     r.add_argument("--tensorboard", metavar="DIR", help="also log loss, tau, accuracy, lr and memory to TensorBoard "
                                                         "(torch.utils.tensorboard.SummaryWriter; needs tensorboard)")
+    r.add_argument("--hidden-states", metavar="DIR", help="train the drafter side alone from the hidden-state cache "
+                                                          "`dflash-graph capture` wrote in DIR: the target side does "
+                                                          "not run (docs/offline.md)")
+    r.add_argument("--on-bad-shard", choices=("stop", "skip"), default="stop",
+                   help="with --hidden-states: a shard that is missing or differs from the manifest stops the run "
+                        "(exit 2, naming it; default), or is skipped and counted")
+    r.add_argument("--loader-workers", type=int, default=1, metavar="N",
+                   help="with --hidden-states: DataLoader worker processes that read and verify shards (default 1; "
+                        "0: read in the training process)")
+    cp = sub.add_parser("capture", help="run the graph's target side over the corpus and write what crosses its "
+                                        "transfers to a hidden-state cache",
+                        description="Write the hidden-state cache that `run --hidden-states DIR` trains from: "
+                                    "safetensors shards and a manifest with the graph's signature and each shard's "
+                                    "sha256 (docs/offline.md). Resumes: shards already complete and verified are "
+                                    "kept. Refused before any work when the cache would not fit on the disk.")
+    _common(cp)
+    cp.add_argument("--out", required=True, metavar="DIR", help="directory of the cache")
+    cp.add_argument("--samples", type=int, default=None, metavar="N",
+                    help="packed sequences to capture (default: [capture] samples, else what `run` trains on: "
+                         "train.steps x grad_accum x replicas)")
+    cp.add_argument("--overwrite", action="store_true", help="replace what DIR holds (default: resume a cache of "
+                                                             "this graph, refuse anything else)")
+    cp.add_argument("--device-map", action="append", default=[], metavar="FROM=TO",
+                    help="remap torch devices, e.g. 'cuda:*=cpu' (repeatable)")
+    cp.add_argument("--no-rewrite", action="store_true", help="capture what the graph as written transfers")
+    cp.add_argument("--no-progress", action="store_true", help="no progress lines")
     sub.add_parser("launch", add_help=False,
                    help="run under torchrun, one process per rank: Ctrl-C exits 130, a failed rank its own status",
                    usage="dflash-graph launch [TORCHRUN FLAGS] run GRAPH [RUN FLAGS]  (see: dflash-graph launch --help)")
@@ -196,7 +224,7 @@ def parser() -> argparse.ArgumentParser:
     tm.add_argument("--out", metavar="DIR", default=None,
                     help="write into DIR instead of the user program directory (check reads DIR only when "
                          "DFLASH_GRAPH_PROGRAMS=DIR)")
-    ap.subcommands = {"trace-model": tm, "check": c, "explain": e, "draw": d, "plan": pl, "run": r, "eval": ev, "export": x,
+    ap.subcommands = {"trace-model": tm, "check": c, "explain": e, "draw": d, "plan": pl, "run": r, "capture": cp, "eval": ev, "export": x,
                       "prove": pv}
     return ap
 
@@ -280,6 +308,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "run":
             from .run import cmd_run
             return cmd_run(args)
+        if args.cmd == "capture":
+            from .capture import cmd_capture
+            return cmd_capture(args)
         if args.cmd == "launch":
             from . import torchrun
             try:

@@ -28,6 +28,24 @@ def _allocator_env(plan) -> None:
               "[memory] assumes the default allocator", file=sys.stderr)
 
 
+def _cache_source(args, plan, distributed: bool):
+    """run --hidden-states DIR: the drafter side's inputs from the cache (train/hidden_cache.CacheSource), which
+    is refused when its signature differs from this graph's."""
+    from ..errors import GraphError, Location, Problem
+
+    if distributed:
+        raise GraphError(Problem("--hidden-states runs in one process for now (the drafter side alone under torchrun "
+                                 "is not implemented)", Location(flag="--hidden-states"),
+                                 hint="run without torchrun"))
+    if args.loader_workers < 0:
+        raise GraphError(Problem(f"--loader-workers must be 0 or more, got {args.loader_workers}",
+                                 Location(flag=f"--loader-workers {args.loader_workers}"), hint="e.g. --loader-workers 2"))
+    from ..train.hidden_cache import CacheSource
+
+    return CacheSource(plan, Path(args.hidden_states), args.on_bad_shard, args.loader_workers,
+                       device_map=args.device_map)
+
+
 def cmd_run(args) -> int:
     """Under torchrun every rank runs this. Until the process group exists, every rank checks the same graph and
     flags and reaches the same verdict: a refusal then is printed once per machine (exec.distributed.
@@ -134,9 +152,12 @@ def _cmd_run(args, stage: dict) -> int:
     out = Path(args.out) if args.out else resume if resume is not None else Path("runs") / spec.name
     if not distributed or os.environ.get("LOCAL_RANK", "0") == "0":   # one process per machine readies the directory
         rundir.prepare(out, resume, getattr(args, "overwrite", False))
+    source = None
+    if getattr(args, "hidden_states", None):
+        source = _cache_source(args, plan, distributed)
     opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
-                      progress=not args.no_progress, distributed=distributed)
+                      progress=not args.no_progress, distributed=distributed, source=source)
     from ..exec.distributed import EXIT_INTERRUPTED, EXIT_LOST, Interrupted, RankLost
 
     stage["shared"] = False   # from here on, what fails may fail on one rank only

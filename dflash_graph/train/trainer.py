@@ -72,6 +72,10 @@ class RunOptions:
     progress: bool = True
     track_memory: bool = True
     distributed: bool = False      # under torchrun: this process is one rank
+    # where the drafter side's inputs come from: None, the target side's nodes run here (online); a source with
+    # `drafter_devices` and `next_inbox()` (train/hidden_cache.CacheSource): only the drafter side's nodes run, and
+    # its transfers receive the source's tensors (run --hidden-states)
+    source: Any = None
 
 
 def _lr_lambda(warmup: int, total: int):
@@ -94,6 +98,12 @@ def _set_threads(threads: int, tdev: dict[str, str]) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, cores // 2)
     torch.set_num_threads(threads)
+
+
+def micro_generator(seed: int, accum: int, step: int, micro: int, r: int) -> torch.Generator:
+    """Replica r of micro-batch `micro` of `step` draws its random nodes (anchors) from this generator, in every
+    mode: one process, torchrun, capture (train/hidden_cache.py)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step * accum + micro) * 4096 + r)
 
 
 def _data_sources(typed) -> list:
@@ -253,6 +263,8 @@ class Trainer:
             local = frozenset(by_rank[self.rank])
         else:
             self.tdev = torch_devices(spec, opts.device_map)
+            if opts.source is not None:     # the drafter side alone: its inputs come from the source
+                local = frozenset(opts.source.drafter_devices)
         if self.comm is None or int(self.cfg.get("threads", 0)) > 0:
             _set_threads(int(self.cfg.get("threads", 0)), self.tdev)
         self.writer = min(writer_ranks) if self.comm is not None else 0
@@ -355,6 +367,8 @@ class Trainer:
         self.finished = self.start_step >= self.steps    # a resume of a finished run: run() changes nothing
         for shard in self.shards.values():
             shard.skip(self.start_step * self.accum)
+        if opts.source is not None:
+            opts.source.skip(self.start_step * self.accum * R)
         self.tokens_per_step = self._seq_len() * R * self.accum
         self.routes = [{t.node: t for t in self.launch.transfers if t.replica == r and t.src_rank == self.rank}
                        for r in range(R)]
@@ -446,7 +460,7 @@ class Trainer:
         self.comm.set_where(self._step_now + 1, node, r)   # raises at Ctrl-C (Interrupted) or a lost rank
 
     def _generator(self, step: int, micro: int, r: int) -> torch.Generator:
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + step * self.accum + micro) * 4096 + r)
+        return micro_generator(self.seed, self.accum, step, micro, r)
 
     def _alloc(self, t) -> torch.Tensor:
         """A receive buffer for a cross-rank transfer, shaped and typed from the checked graph, charged to the
@@ -496,7 +510,7 @@ class Trainer:
                     continue
                 t0 = time.perf_counter()
                 w0 = comm.wait_seconds if comm else 0.0
-                inbox = None
+                inbox = self.opts.source.next_inbox() if self.opts.source is not None else None
                 if comm is not None and self.receives[r]:
                     comm.set_where(step + 1, "(waiting for its batch)", r)
                     inbox, headers = comm.receive(step, a, r, self._alloc)

@@ -1,0 +1,371 @@
+"""The hidden-state cache with torch: `dflash-graph capture` runs the graph's target side and writes what crosses
+its transfers (CacheWriter, capture); `run --hidden-states DIR` reads it back as the drafter side's receives
+(CacheSource). What a cache holds, its signature and manifest: analysis/capture.py; docs/offline.md.
+
+NOTE [Sample order]: sample i of a cache is replica r of micro-batch a of step s, i = (s * grad_accum + a) * R + r,
+its data the r-th replica shard's next packed sequence and its anchors drawn from the generator the trainer seeds
+with (seed, s, a, r) (train/trainer.micro_generator). A run from the cache reads the samples in that order, so
+its step s sees exactly the tensors the online run's step s received: same losses, step for step. A run longer
+than the cache reads it again from sample 0 (the anchored storage: the same anchors each pass).
+
+NOTE [Atomic shards]: a shard is written to a temporary beside it, fsynced, renamed into place, and only then
+recorded (with its sha256 and size) in manifest.json, itself replaced atomically. A kill at any point leaves
+complete shards that the manifest records, and at most a temporary (removed on resume) or a renamed shard the
+manifest does not record (written again). Resume verifies every recorded shard's size and sha256 and writes
+again only the shards that are missing or differ."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..analysis.capture import (MANIFEST, Cut, capture_bill, compare_signatures, file_sha256, find_cut, json_safe,
+                                new_manifest, read_manifest, refuse_unless_fits, shard_name, shard_problem,
+                                signature, tensor_key, weights_files, write_json_atomic, _fsync_dir)
+from ..analysis.launch import replicas
+from ..errors import GraphError, Location, Problem
+from ..exec.devices import torch_devices
+from ..exec.interpreter import Interpreter
+from ..exec.models import ModelStore
+from ..units import fmt_bytes
+from .data import load_data
+from .trainer import _set_threads, micro_generator
+
+
+def target_weights_hash(typed, cut: Cut) -> dict[str, str | None]:
+    """sha256 of each target-side model's weights files (None: randomly initialised)."""
+    out: dict[str, str | None] = {}
+    base = Path(typed.ctx.spec.file).parent if typed.ctx.spec.file else Path(".")
+    for n in typed.graph.nodes:
+        if not n.model or n.model in out or not set(typed.ctx.devices_of(n.device)) & set(cut.target_devices):
+            continue
+        w = typed.ctx.models[n.model].spec.weights
+        if w is None:
+            out[n.model] = None
+            continue
+        h = hashlib.sha256()
+        for f in weights_files(base / w):
+            h.update(f.name.encode())
+            h.update(file_sha256(f).encode())
+        out[n.model] = h.hexdigest()
+    return out
+
+
+def graph_signature(plan) -> dict[str, Any]:
+    typed = plan.typed
+    return json_safe(signature(typed, plan.rewritten, target_weights_hash(typed, find_cut(typed))))
+
+
+def _refuse_other(directory: Path, differences: list[str], what: str) -> GraphError:
+    shown = "\n    ".join(differences[:20]) + (f"\n    ... and {len(differences) - 20} more" if len(differences) > 20 else "")
+    return GraphError(Problem(f"the cache in {directory} was captured from another graph: {len(differences)} "
+                              f"difference(s) in its signature\n    {shown}", Location(str(directory / MANIFEST)),
+                              hint=what))
+
+
+def _eta(done: int, total: int, seconds: float) -> str:
+    if done <= 0:
+        return "?"
+    left = seconds / done * (total - done)
+    return f"{left:.0f} s" if left < 120 else f"{left / 60:.1f} min"
+
+
+class _Recorder:
+    """Stands in for exec/distributed.Comm on the target side: a transfer's send is a write (NOTE [The cut])."""
+
+    def __init__(self):
+        self.got: dict[str, torch.Tensor] = {}
+
+    def send(self, x: torch.Tensor, route: str) -> None:
+        self.got[route] = x.detach().to("cpu", copy=True).contiguous()   # its own storage (safetensors)
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> tuple[str, int]:
+    """NOTE [Atomic shards]: the shard's sha256 and size once it is in place."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.chmod(tmp, 0o644)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    digest = file_sha256(tmp)
+    size = tmp.stat().st_size
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return digest, size
+
+
+class CacheWriter:
+    """Shards of a cache, written in sample order (NOTE [Sample order]); resumable (NOTE [Atomic shards])."""
+
+    def __init__(self, directory: Path, sig: dict[str, Any], samples: int, shard_samples: int, cut: Cut,
+                 overwrite: bool = False):
+        self.dir, self.cut, self.samples, self.shard_samples = directory, cut, samples, shard_samples
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(".*.tmp*"):       # what a kill during a write left
+            stale.unlink(missing_ok=True)
+        self.kept: dict[int, dict] = {}
+        self.rewritten: list[str] = []
+        if (directory / MANIFEST).exists() and not overwrite:
+            m = read_manifest(directory)
+            diff = compare_signatures(m["signature"], sig)
+            if m["samples"] != samples or m["shard_samples"] != shard_samples:
+                diff.append(f"samples: the cache has {m['samples']} in shards of {m['shard_samples']}, this capture "
+                            f"asks for {samples} in shards of {shard_samples}")
+            if diff:
+                raise _refuse_other(directory, diff, f"capture into another --out, or add --overwrite to replace it")
+            for e in m["shards"]:
+                bad = shard_problem(directory, e)
+                if bad is None:
+                    self.kept[e["index"]] = e
+                else:
+                    self.rewritten.append(bad)
+        elif any(p for p in directory.iterdir() if p.name != MANIFEST) and not overwrite:
+            raise GraphError(Problem(f"{directory} is not empty and holds no cache ({MANIFEST})",
+                                     Location(str(directory)), hint="capture into an empty or new directory, or add "
+                                     "--overwrite to write over it"))
+        elif overwrite:
+            for p in directory.glob("shard-*.safetensors"):
+                p.unlink()
+        self.manifest = new_manifest(sig, samples, shard_samples)
+        self.manifest["shards"] = sorted(self.kept.values(), key=lambda e: e["index"])
+        write_json_atomic(directory / MANIFEST, self.manifest)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_first = 0
+        self.bytes_written = 0
+
+    @property
+    def shards(self) -> int:
+        return -(-self.samples // self.shard_samples)
+
+    def shard_done(self, k: int) -> bool:
+        return k in self.kept
+
+    def add(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Sample i (its crossings by transfer node); a shard is written when its last sample arrives."""
+        k = i // self.shard_samples
+        if not self.pending:
+            self.pending_first = i
+        for node, t in tensors.items():
+            self.pending[tensor_key(i, node)] = t
+        last = min((k + 1) * self.shard_samples, self.samples) - 1
+        if i == last:
+            first = k * self.shard_samples
+            path = self.dir / shard_name(k)
+            digest, size = _write_shard(path, self.pending, {"first": str(first), "count": str(last + 1 - first)})
+            self.pending = {}
+            self.bytes_written += size
+            entry = {"index": k, "file": path.name, "first": first, "samples": last + 1 - first, "bytes": size,
+                     "sha256": digest}
+            self.kept[k] = entry
+            self.manifest["shards"] = sorted(self.kept.values(), key=lambda e: e["index"])
+            write_json_atomic(self.dir / MANIFEST, self.manifest)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.kept) == self.shards
+
+
+def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False, progress: bool = True,
+            device_map=(), stream=None) -> dict[str, Any]:
+    """Run the target side over the corpus and write the cache (NOTE [Sample order], NOTE [Atomic shards]).
+    Returns what was done: samples run, shards written and kept, bytes, seconds, target forwards."""
+    stream = sys.stderr if stream is None else stream
+    typed = plan.typed
+    spec = typed.ctx.spec
+    cut = find_cut(typed)
+    bill = capture_bill(plan, out)
+    if samples is not None:
+        import attrs
+
+        per = bill.default.per_sample
+        bill = attrs.evolve(bill, samples=samples,
+                            storages=tuple(attrs.evolve(s, total=s.per_sample * samples) for s in bill.storages))
+    N = bill.samples
+    shard_samples = int(spec.capture.get("shard_samples") or 64)
+    sig = graph_signature(plan)
+    writer = CacheWriter(out, sig, N, shard_samples, cut, overwrite)
+    kept_bytes = sum(e["bytes"] for e in writer.kept.values())
+    kept_before = len(writer.kept)
+    if bill.disk_bytes is not None and bill.disk_from.startswith("free space"):
+        import attrs
+
+        bill = attrs.evolve(bill, disk_bytes=bill.disk_bytes + kept_bytes)   # what is already there stays
+    refuse_unless_fits(bill, Location(flag=f"--out {out}"))
+    tdev = torch_devices(spec, list(device_map))
+    _set_threads(int(spec.train.get("threads", 0)), tdev)
+    seed = int(spec.train["seed"])
+    accum = int(spec.train.get("grad_accum") or 1)
+    R = replicas(typed)
+    base = Path(spec.data.get("_base", "."))
+    vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
+    seq = next(t.sizes[0] for r, t in typed.types.items() if r.output == "input_ids")
+    train, _ = load_data(spec.data, base, seq, seed, vocab, spec.loc)
+    shards = {r: train.shard(r, R) for r in range(R)}
+    torch.manual_seed(seed)
+    local = frozenset(cut.target_devices)
+    store = ModelStore(typed, tdev, seed)
+    store.preload(local)
+    rec = _Recorder()
+    interp = Interpreter(typed, store, tdev, seed=seed, track_memory=False, local=local, comm=rec)
+    sends = {c.node: c.node for c in cut.crossings}
+    forwards = 0
+    t0 = time.perf_counter()
+    todo = sum(min((k + 1) * shard_samples, N) - k * shard_samples for k in range(writer.shards)
+               if not writer.shard_done(k))
+    done = 0
+    if writer.kept and progress:
+        print(f"capture: resuming in {out}: {len(writer.kept)} of {writer.shards} shards complete and verified"
+              + (f"; writing again: {'; '.join(writer.rewritten)}" if writer.rewritten else ""), file=stream, flush=True)
+    for i in range(N):
+        k = i // shard_samples
+        step, rest = divmod(i, accum * R)
+        a, r = divmod(rest, R)
+        if writer.shard_done(k):
+            shards[r].next_batch()          # the data position moves on; nothing is run
+            continue
+        rec.got = {}
+        interp.run_replica(r, lambda rr: shards[rr].next_batch(), generator=micro_generator(seed, accum, step, a, r),
+                           sends=sends)
+        forwards += 1
+        writer.add(i, rec.got)
+        done += 1
+        if progress and ((i + 1) % shard_samples == 0 or i == N - 1):
+            el = time.perf_counter() - t0
+            print(f"capture: {i + 1}/{N} samples, shard {k + 1}/{writer.shards}, "
+                      f"{fmt_bytes(writer.bytes_written + kept_bytes)} on disk, {done / max(el, 1e-9):.1f} samples/s, "
+                  f"ETA {_eta(done, todo, el)}", file=stream, flush=True)
+    return {"samples": N, "shards": writer.shards, "kept": kept_before,
+            "written_bytes": writer.bytes_written, "bytes": sum(e["bytes"] for e in writer.kept.values()),
+            "seconds": time.perf_counter() - t0, "target_forwards": forwards, "predicted_bytes": bill.default.total,
+            "rewritten": writer.rewritten}
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
+
+class _Shards(torch.utils.data.Dataset):
+    """One item per shard: its tensors, read and checked against the manifest in a loader worker; a shard that
+    is missing or differs comes back as the reason (the main process decides what to do with it)."""
+
+    def __init__(self, directory: Path, entries: list[dict]):
+        self.dir, self.entries = directory, entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, k: int):
+        from safetensors.torch import load
+
+        e = self.entries[k]
+        path = self.dir / e["file"]
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            return k, f"{path}: cannot be read ({err.strerror or err})"
+        if len(data) != e["bytes"]:
+            return k, f"{path}: {len(data):,} bytes, the manifest records {e['bytes']:,}"
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != e["sha256"]:
+            return k, f"{path}: sha256 {digest[:16]}..., the manifest records {e['sha256'][:16]}..."
+        return k, load(data)
+
+
+class CacheSource:
+    """Where the drafter side's inputs come from in `run --hidden-states DIR`: the cache's samples in order, as
+    the receives of the drafter side's transfers (NOTE [Sample order])."""
+
+    def __init__(self, plan, directory: Path, on_bad_shard: str = "stop", workers: int = 1, prefetch: int = 2,
+                 sig: dict[str, Any] | None = None, device_map=()):
+        self.dir = directory
+        tdev = torch_devices(plan.typed.ctx.spec, list(device_map))
+        # each transfer's output lives on its drafter-side device (the torch device of replica r's placement)
+        self._device = {n.id: [tdev[d] for d in plan.typed.ctx.devices_of(n.device)]
+                        for n in plan.typed.graph.nodes if n.id in {c.node for c in find_cut(plan.typed).crossings}}
+        m = read_manifest(directory)
+        sig = graph_signature(plan) if sig is None else sig
+        diff = compare_signatures(m["signature"], sig)
+        if diff:
+            raise _refuse_other(directory, diff, f"capture this graph: dflash-graph capture {plan.typed.ctx.spec.file} "
+                                                 "--out ANOTHER_DIR, then run --hidden-states ANOTHER_DIR")
+        self.cut = find_cut(plan.typed)
+        self.samples_total = int(m["samples"])
+        entries = sorted(m["shards"], key=lambda e: e["index"])
+        shards = -(-self.samples_total // int(m["shard_samples"]))
+        missing = sorted(set(range(shards)) - {e["index"] for e in entries})
+        if missing:
+            raise GraphError(Problem(f"the cache in {directory} is incomplete: {len(missing)} of {shards} shards were "
+                                     f"never written (first: {shard_name(missing[0])})",
+                                     Location(str(directory / MANIFEST)),
+                                     hint=f"finish it: dflash-graph capture {plan.typed.ctx.spec.file} --out {directory} "
+                                          "(writes only what is missing)"))
+        self.entries = entries
+        self.on_bad = on_bad_shard
+        self.workers, self.prefetch = workers, prefetch
+        self.skipped_samples = 0
+        self.bad: list[str] = []
+        self.read = 0
+        self.passes = 0
+        self._it = None
+        self._buf: list[dict[str, torch.Tensor]] = []
+
+    @property
+    def drafter_devices(self) -> tuple[str, ...]:
+        return self.cut.drafter_devices
+
+    def _loader(self):
+        kw = {"num_workers": self.workers}
+        if self.workers > 0:
+            kw["prefetch_factor"] = self.prefetch
+        return iter(torch.utils.data.DataLoader(_Shards(self.dir, self.entries), batch_size=None, shuffle=False,
+                                                collate_fn=lambda x: x, **kw))
+
+    def _fill(self) -> None:
+        while not self._buf:
+            if self._it is None:
+                self._it = self._loader()
+            try:
+                k, got = next(self._it)
+            except StopIteration:
+                self._it = None
+                self.passes += 1
+                if self.read == 0:
+                    raise GraphError(Problem(f"no shard of the cache in {self.dir} could be read: "
+                                             + "; ".join(self.bad[-3:]), Location(str(self.dir / MANIFEST)),
+                                             hint=f"capture again: dflash-graph capture GRAPH --out {self.dir}"))
+                continue
+            e = self.entries[k]
+            if isinstance(got, str):
+                if self.on_bad == "stop":
+                    raise GraphError(Problem(f"shard {e['file']} of the cache (samples {e['first']}.."
+                                             f"{e['first'] + e['samples'] - 1}) is bad: {got}", Location(str(self.dir / e['file'])),
+                                             hint=f"write it again (only the bad shards are rewritten): dflash-graph "
+                                                  f"capture GRAPH --out {self.dir}; or run with --on-bad-shard skip "
+                                                  "to train on the others"))
+                self.bad.append(got)
+                self.skipped_samples += e["samples"]
+                print(f"warning: skipped {e['samples']} samples: {got} (--on-bad-shard skip; "
+                      f"{self.skipped_samples} skipped so far)", file=sys.stderr, flush=True)
+                continue
+            self.read += 1
+            for i in range(e["first"], e["first"] + e["samples"]):
+                self._buf.append({c.node: got[tensor_key(i, c.node)].to(self._device[c.node][0])
+                                  for c in self.cut.crossings})
+            self._buf.reverse()
+
+    def next_inbox(self) -> dict[str, torch.Tensor]:
+        """The next sample's crossings, by transfer node: what the drafter side's transfers receive."""
+        self._fill()
+        return self._buf.pop()
+
+    def skip(self, n: int) -> None:
+        """Past the first n samples (what --resume does: its checkpoint's step, in samples)."""
+        n %= self.samples_total
+        for _ in range(n):
+            self.next_inbox()
