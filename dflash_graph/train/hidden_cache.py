@@ -222,8 +222,10 @@ def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False
                if not writer.shard_done(k))
     done = 0
     if writer.kept and progress:
-        print(f"capture: resuming in {out}: {len(writer.kept)} of {writer.shards} shards complete and verified"
-              + (f"; writing again: {'; '.join(writer.rewritten)}" if writer.rewritten else ""), file=stream, flush=True)
+        print(f"capture: resuming in {out}: {len(writer.kept)} of {writer.shards} shards complete and verified",
+              file=stream, flush=True)
+    for bad in writer.rewritten:
+        print(f"warning: writing again {bad}", file=stream, flush=True)
     for i in range(N):
         k = i // shard_samples
         step, rest = divmod(i, accum * R)

@@ -1,0 +1,161 @@
+"""The hidden-state cache (docs/offline.md): check's storage bill, capture, training from disk step for step equal
+to the online run, the cache's signature, bad shards named, a capture killed and resumed."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_graph.analysis.capture import compare_signatures, file_sha256
+from dflash_graph.cli.main import main
+
+TINY = "graphs/tiny.toml"
+SMALL = ["--set", "capture.shard_samples=2", "--set", "train.eval_every=0"]
+TIMING = {"tokens_per_s", "step_seconds", "ranks", "memory_bytes", "slot_reach", "slot_scored"}
+
+
+def metrics(d: Path) -> list[dict]:
+    return [json.loads(line) for line in open(d / "metrics.jsonl")]
+
+
+def test_check_capture_bill(in_repo, capsys):
+    assert main(["check", TINY, "--capture", "--json", "--set", "capture.disk=10MB"]) == 0
+    cap = json.loads(capsys.readouterr().out)["capture"]
+    assert list(cap["bytes_per_sample"]) == ["anchored", "all"] == list(cap["bytes_total"])   # the default first
+    payload = sum(c["bytes"] for c in cap["crossings"])
+    anchored = cap["storages"][0]
+    assert anchored["payload_bytes_per_sample"] == payload
+    # features [256, 256] f32 + the anchored rows [16, 4, 128] f32 + ids, positions [256] i64 + anchors [16] i64
+    # + valid [16, 4] bool
+    assert payload == 256 * 256 * 4 + 16 * 4 * 128 * 4 + 2 * 256 * 8 + 16 * 8 + 16 * 4
+    assert cap["bytes_total"]["anchored"] == cap["bytes_per_sample"]["anchored"] * cap["samples"] == \
+        anchored["bytes_per_sample"] * 400
+    # all rows: the whole last hidden state [256, 128] instead of its anchored rows, the loss mask instead of the draws
+    assert cap["storages"][1]["payload_bytes_per_sample"] == payload - 16 * 4 * 128 * 4 + 256 * 128 * 4 \
+        - 16 * 8 - 16 * 4 + 256
+    assert cap["rewrites_save_bytes_per_sample"] == (256 - 64) * 128 * 4
+    assert cap["disk_bytes"] == 10**7 and cap["fits"] is False
+    assert anchored["read_bytes_per_second"] > 0
+
+
+def test_signature_differences_are_named():
+    a = {"dims": {"seq": 256, "hidden": 128}, "anchors": {"seed": 0}, "storage": "anchored"}
+    b = {"dims": {"seq": 512, "hidden": 128}, "anchors": {"seed": 0}}
+    assert compare_signatures(a, b) == ['dims.seq: the cache has 256, the graph has 512',
+                                        'storage: the cache has "anchored", the graph has "absent"']
+    assert compare_signatures(a, a) == []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One capture of 4 samples (2 steps of 2 replicas, shards of 2), the online run and the run from disk."""
+    root = tmp_path_factory.mktemp("capture")
+    cwd = os.getcwd()
+    os.chdir(Path(__file__).resolve().parent.parent)
+    try:
+        assert main(["capture", TINY, "--out", str(root / "cache"), "--samples", "4", "--no-progress", *SMALL]) == 0
+        assert main(["run", TINY, "--steps", "2", "--out", str(root / "online"), "--no-progress", *SMALL]) == 0
+        assert main(["run", TINY, "--steps", "2", "--out", str(root / "disk"), "--no-progress", *SMALL,
+                     "--hidden-states", str(root / "cache")]) == 0
+    finally:
+        os.chdir(cwd)
+    return root
+
+
+def test_from_disk_equals_online(runs):
+    online, disk = metrics(runs / "online"), metrics(runs / "disk")
+    assert len(online) == len(disk) == 2
+    for a, b in zip(online, disk):
+        same = {k: v for k, v in a.items() if k not in TIMING}
+        assert same == {k: v for k, v in b.items() if k not in TIMING}     # loss, grad norm, accuracies, lr: exact
+    # no target ran: only the drafter's device was measured
+    assert set(json.loads((runs / "disk" / "memory.json").read_text())["devices"]) == {"draft"}
+
+
+def test_predicted_bytes_equal_written(runs, in_repo, capsys):
+    assert main(["check", TINY, "--capture", "--json", "--set", "capture.samples=4", *SMALL]) == 0
+    predicted = json.loads(capsys.readouterr().out)["capture"]["bytes_total"]["anchored"]
+    written = sum(p.stat().st_size for p in (runs / "cache").glob("shard-*.safetensors"))
+    assert abs(written - predicted) / written < 0.01, (predicted, written)
+
+
+def test_other_graph_refused_naming_differences(runs, in_repo, capsys):
+    assert main(["run", TINY, "--steps", "1", "--out", str(runs / "x"), "--no-progress", *SMALL,
+                 "--set", "train.seed=1", "--set", "dims.anchors=8", "--hidden-states", str(runs / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert "captured from another graph" in err
+    assert "anchors.seed: the cache has 0, the graph has 1" in err
+    assert "dims.anchors: the cache has 16, the graph has 8" in err
+    assert "crossings.anchors_tx.shape" in err
+
+
+@pytest.mark.slow
+def test_tampered_and_missing_shards(runs, in_repo, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    shutil.copytree(runs / "cache", cache)
+    shard = cache / "shard-000001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    args = ["run", TINY, "--steps", "2", "--no-progress", *SMALL, "--hidden-states", str(cache)]
+    assert main([*args, "--out", str(tmp_path / "stop")]) == 2
+    err = capsys.readouterr().err
+    assert "shard-000001.safetensors" in err and "sha256" in err and "samples 2..3" in err
+    # skip: the bad shard's samples are counted and the run trains on the others
+    assert main([*args, "--out", str(tmp_path / "skip"), "--on-bad-shard", "skip", "--loader-workers", "0"]) == 0
+    assert "skipped 2 samples" in capsys.readouterr().err
+    # capture again: only the bad shard is written again, and the cache equals the one before
+    assert main(["capture", TINY, "--out", str(cache), "--samples", "4", "--no-progress", *SMALL]) == 0
+    out = capsys.readouterr()
+    assert "1 kept from before" in out.out and "shard-000001.safetensors: sha256" in out.err
+    assert file_sha256(shard) == file_sha256(runs / "cache" / shard.name)
+    shard.unlink()
+    assert main([*args, "--out", str(tmp_path / "missing")]) == 2
+    assert "shard-000001.safetensors: cannot be read" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_capture_killed_then_resumed(runs, in_repo, tmp_path):
+    """SIGKILL while shards are being written, then capture again: every shard complete, verified against the
+    manifest, and byte for byte the uninterrupted capture's."""
+    out = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "dflash_graph", "capture", TINY, "--out", str(out), "--samples", "8",
+           "--set", "capture.shard_samples=1", "--set", "train.eval_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            m = out / "manifest.json"
+            if m.exists() and len(json.loads(m.read_text())["shards"]) >= 2:
+                break
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    kept = len(json.loads((out / "manifest.json").read_text())["shards"])
+    assert 2 <= kept < 8, "the kill came after the capture finished"
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"{kept} kept from before" in r.stdout or f"{kept + 1} kept from before" in r.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [e["index"] for e in manifest["shards"]] == list(range(8))
+    for e in manifest["shards"]:
+        assert file_sha256(out / e["file"]) == e["sha256"]
+    assert not list(out.glob(".*tmp*"))
+    # the same tensors as the online run received: compared through the run from disk
+    ref = subprocess.run([sys.executable, "-m", "dflash_graph", "run", TINY, "--steps", "2", "--no-progress",
+                          "--set", "train.eval_every=0", "--set", "capture.shard_samples=1", "--out",
+                          str(tmp_path / "run"), "--hidden-states", str(out)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in metrics(runs / "online")]
