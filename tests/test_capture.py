@@ -1,6 +1,8 @@
 """The hidden-state cache (docs/offline.md): check's storage bill, capture, training from disk step for step equal
 to the online run, the cache's signature, bad shards named, a capture killed and resumed."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -54,28 +56,48 @@ def test_signature_differences_are_named():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One capture of 4 samples (2 steps of 2 replicas, shards of 2), the online run and the run from disk."""
+    """One capture of 4 samples (2 steps of 2 replicas, shards of 2), the online run (2 steps), the run from disk
+    (4 steps: the second pass reads the cache again) and the hybrid run (4 steps: epoch 0 captures)."""
     root = tmp_path_factory.mktemp("capture")
     cwd = os.getcwd()
     os.chdir(Path(__file__).resolve().parent.parent)
     try:
         assert main(["capture", TINY, "--out", str(root / "cache"), "--samples", "4", "--no-progress", *SMALL]) == 0
         assert main(["run", TINY, "--steps", "2", "--out", str(root / "online"), "--no-progress", *SMALL]) == 0
-        assert main(["run", TINY, "--steps", "2", "--out", str(root / "disk"), "--no-progress", *SMALL,
+        assert main(["run", TINY, "--steps", "4", "--out", str(root / "disk"), "--no-progress", *SMALL,
                      "--hidden-states", str(root / "cache")]) == 0
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            assert main(["run", TINY, "--steps", "4", "--out", str(root / "hybrid"), "--no-progress", *SMALL,
+                         "--set", "capture.samples=4", "--hidden-states", str(root / "hybrid-cache"), "--hybrid"]) == 0
+        (root / "hybrid.out").write_text(said.getvalue())
     finally:
         os.chdir(cwd)
     return root
 
 
+def same(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+
+
 def test_from_disk_equals_online(runs):
     online, disk = metrics(runs / "online"), metrics(runs / "disk")
-    assert len(online) == len(disk) == 2
+    assert len(online) == 2 and len(disk) == 4
     for a, b in zip(online, disk):
-        same = {k: v for k, v in a.items() if k not in TIMING}
-        assert same == {k: v for k, v in b.items() if k not in TIMING}     # loss, grad norm, accuracies, lr: exact
+        assert same(a, b)      # loss, grad norm, slot accuracies, acceptance, lr: exact
     # no target ran: only the drafter's device was measured
     assert set(json.loads((runs / "disk" / "memory.json").read_text())["devices"]) == {"draft"}
+
+
+def test_hybrid_captures_epoch_zero_then_reads(runs, capsys):
+    online, disk, hybrid = metrics(runs / "online"), metrics(runs / "disk"), metrics(runs / "hybrid")
+    assert all(same(a, b) for a, b in zip(online, hybrid[:2]))      # epoch 0: the online run
+    assert all(same(a, b) for a, b in zip(disk, hybrid))             # then the cache, as a run from disk reads it
+    # 4 target forwards for 4 steps of 2 replicas: epoch 0 only
+    assert "4 target forwards captured into" in (runs / "hybrid.out").read_text()
+    assert "4 samples read from it" in (runs / "hybrid.out").read_text()
+    # the cache it wrote is the capture's, byte for byte
+    for f in sorted((runs / "cache").glob("shard-*")):
+        assert file_sha256(f) == file_sha256(runs / "hybrid-cache" / f.name)
 
 
 def test_predicted_bytes_equal_written(runs, in_repo, capsys):

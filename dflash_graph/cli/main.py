@@ -119,6 +119,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--hidden-states", metavar="DIR", help="train the drafter side alone from the hidden-state cache "
                                                           "`dflash-graph capture` wrote in DIR: the target side does "
                                                           "not run (docs/offline.md)")
+    r.add_argument("--hybrid", action="store_true",
+                   help="with --hidden-states: the first pass over the cache's samples runs the target and writes "
+                        "the cache while it trains (epoch 0 is the online run); later passes read it")
     r.add_argument("--on-bad-shard", choices=("stop", "skip"), default="stop",
                    help="with --hidden-states: a shard that is missing or differs from the manifest stops the run "
                         "(exit 2, naming it; default), or is skipped and counted")

@@ -33,6 +33,9 @@ def _cache_source(args, plan, distributed: bool):
     is refused when its signature differs from this graph's."""
     from ..errors import GraphError, Location, Problem
 
+    if args.hybrid and not args.hidden_states:
+        raise GraphError(Problem("--hybrid captures into the cache --hidden-states names", Location(flag="--hybrid"),
+                                 hint="add --hidden-states DIR"))
     if distributed:
         raise GraphError(Problem("--hidden-states runs in one process for now (the drafter side alone under torchrun "
                                  "is not implemented)", Location(flag="--hidden-states"),
@@ -40,8 +43,11 @@ def _cache_source(args, plan, distributed: bool):
     if args.loader_workers < 0:
         raise GraphError(Problem(f"--loader-workers must be 0 or more, got {args.loader_workers}",
                                  Location(flag=f"--loader-workers {args.loader_workers}"), hint="e.g. --loader-workers 2"))
-    from ..train.hidden_cache import CacheSource
+    from ..train.hidden_cache import CacheSource, HybridSource
 
+    if args.hybrid:
+        return HybridSource(plan, Path(args.hidden_states), None, args.on_bad_shard, args.loader_workers,
+                            device_map=args.device_map)
     return CacheSource(plan, Path(args.hidden_states), args.on_bad_shard, args.loader_workers,
                        device_map=args.device_map)
 
@@ -153,7 +159,7 @@ def _cmd_run(args, stage: dict) -> int:
     if not distributed or os.environ.get("LOCAL_RANK", "0") == "0":   # one process per machine readies the directory
         rundir.prepare(out, resume, getattr(args, "overwrite", False))
     source = None
-    if getattr(args, "hidden_states", None):
+    if getattr(args, "hidden_states", None) or getattr(args, "hybrid", False):
         source = _cache_source(args, plan, distributed)
     opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
@@ -193,6 +199,8 @@ def _cmd_run(args, stage: dict) -> int:
 
             trainer.fail(trainer.write_problem(WriteFailed(rundir.RUN_FILE, out / rundir.RUN_FILE, e, trainer.start_step)))
     code = trainer.run()
+    if source is not None and trainer.is_writer:
+        print(f"  {source.summary()}")
     if code == 0 and trainer.is_writer:
         from ..train.export import export_trainer
 

@@ -86,12 +86,14 @@ class _Recorder:
         self.got[route] = x.detach().to("cpu", copy=True).contiguous()   # its own storage (safetensors)
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> tuple[str, int]:
-    """NOTE [Atomic shards]: the shard's sha256 and size once it is in place."""
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """NOTE [Atomic shards]: the shard's sha256 and size once it is in place. No `__metadata__`: safetensors
+    writes it in hash-map order, so the same shard would not be the same bytes twice (the manifest holds the
+    shard's samples)."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=meta)
+    save_file(tensors, str(tmp))
     os.chmod(tmp, 0o644)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
@@ -159,7 +161,7 @@ class CacheWriter:
         if i == last:
             first = k * self.shard_samples
             path = self.dir / shard_name(k)
-            digest, size = _write_shard(path, self.pending, {"first": str(first), "count": str(last + 1 - first)})
+            digest, size = _write_shard(path, self.pending)
             self.pending = {}
             self.bytes_written += size
             entry = {"index": k, "file": path.name, "first": first, "samples": last + 1 - first, "bytes": size,
@@ -173,6 +175,69 @@ class CacheWriter:
         return len(self.kept) == self.shards
 
 
+class TargetSide:
+    """The graph's target side in this process: the corpus's replica shards, the target-side models, and the
+    interpreter over the target devices only, whose transfers' sends are kept (_Recorder). `sample(i)` is sample
+    i's crossings (NOTE [Sample order]); samples are produced in order, `advance()` moves the data past one without
+    running anything."""
+
+    def __init__(self, plan, cut: Cut, device_map=()):
+        typed = plan.typed
+        spec = typed.ctx.spec
+        self.tdev = torch_devices(spec, list(device_map))
+        self.seed = int(spec.train["seed"])
+        self.accum = int(spec.train.get("grad_accum") or 1)
+        self.R = replicas(typed)
+        base = Path(spec.data.get("_base", "."))
+        vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
+        seq = next(t.sizes[0] for r, t in typed.types.items() if r.output == "input_ids")
+        train, _ = load_data(spec.data, base, seq, self.seed, vocab, spec.loc)
+        self.shards = {r: train.shard(r, self.R) for r in range(self.R)}
+        torch.manual_seed(self.seed)
+        local = frozenset(cut.target_devices)
+        self.store = ModelStore(typed, self.tdev, self.seed)
+        self.store.preload(local)
+        self.rec = _Recorder()
+        self.interp = Interpreter(typed, self.store, self.tdev, seed=self.seed, track_memory=False, local=local,
+                                  comm=self.rec)
+        self.sends = {c.node: c.node for c in cut.crossings}
+        self.forwards = 0
+        self.next = 0
+
+    def _where(self, i: int) -> tuple[int, int, int]:
+        step, rest = divmod(i, self.accum * self.R)
+        a, r = divmod(rest, self.R)
+        return step, a, r
+
+    def sample(self) -> dict[str, torch.Tensor]:
+        step, a, r = self._where(self.next)
+        self.rec.got = {}
+        self.interp.run_replica(r, lambda rr: self.shards[rr].next_batch(),
+                                generator=micro_generator(self.seed, self.accum, step, a, r), sends=self.sends)
+        self.forwards += 1
+        self.next += 1
+        return self.rec.got
+
+    def advance(self) -> None:
+        self.shards[self._where(self.next)[2]].next_batch()   # the data position moves on; nothing is run
+        self.next += 1
+
+
+def _fitting_bill(plan, out: Path, samples: int | None, kept_bytes: int = 0):
+    """The bill for `samples` (default: the graph's), refused when the cache does not fit (what is already on disk
+    of it stays, so it counts as free)."""
+    import attrs
+
+    bill = capture_bill(plan, out)
+    if samples is not None:
+        bill = attrs.evolve(bill, samples=samples,
+                            storages=tuple(attrs.evolve(s, total=s.per_sample * samples) for s in bill.storages))
+    if bill.disk_bytes is not None and bill.disk_from.startswith("free space"):
+        bill = attrs.evolve(bill, disk_bytes=bill.disk_bytes + kept_bytes)
+    refuse_unless_fits(bill, Location(flag=f"--out {out}"))
+    return bill
+
+
 def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False, progress: bool = True,
             device_map=(), stream=None) -> dict[str, Any]:
     """Run the target side over the corpus and write the cache (NOTE [Sample order], NOTE [Atomic shards]).
@@ -181,42 +246,15 @@ def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False
     typed = plan.typed
     spec = typed.ctx.spec
     cut = find_cut(typed)
-    bill = capture_bill(plan, out)
-    if samples is not None:
-        import attrs
-
-        per = bill.default.per_sample
-        bill = attrs.evolve(bill, samples=samples,
-                            storages=tuple(attrs.evolve(s, total=s.per_sample * samples) for s in bill.storages))
-    N = bill.samples
+    N = samples if samples is not None else capture_bill(plan, out).samples
+    _fitting_bill(plan, out, N)       # before anything is written or built
     shard_samples = int(spec.capture.get("shard_samples") or 64)
-    sig = graph_signature(plan)
-    writer = CacheWriter(out, sig, N, shard_samples, cut, overwrite)
+    writer = CacheWriter(out, graph_signature(plan), N, shard_samples, cut, overwrite)
     kept_bytes = sum(e["bytes"] for e in writer.kept.values())
     kept_before = len(writer.kept)
-    if bill.disk_bytes is not None and bill.disk_from.startswith("free space"):
-        import attrs
-
-        bill = attrs.evolve(bill, disk_bytes=bill.disk_bytes + kept_bytes)   # what is already there stays
-    refuse_unless_fits(bill, Location(flag=f"--out {out}"))
-    tdev = torch_devices(spec, list(device_map))
-    _set_threads(int(spec.train.get("threads", 0)), tdev)
-    seed = int(spec.train["seed"])
-    accum = int(spec.train.get("grad_accum") or 1)
-    R = replicas(typed)
-    base = Path(spec.data.get("_base", "."))
-    vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
-    seq = next(t.sizes[0] for r, t in typed.types.items() if r.output == "input_ids")
-    train, _ = load_data(spec.data, base, seq, seed, vocab, spec.loc)
-    shards = {r: train.shard(r, R) for r in range(R)}
-    torch.manual_seed(seed)
-    local = frozenset(cut.target_devices)
-    store = ModelStore(typed, tdev, seed)
-    store.preload(local)
-    rec = _Recorder()
-    interp = Interpreter(typed, store, tdev, seed=seed, track_memory=False, local=local, comm=rec)
-    sends = {c.node: c.node for c in cut.crossings}
-    forwards = 0
+    bill = _fitting_bill(plan, out, N, kept_bytes)
+    _set_threads(int(spec.train.get("threads", 0)), torch_devices(spec, list(device_map)))
+    side = TargetSide(plan, cut, device_map)
     t0 = time.perf_counter()
     todo = sum(min((k + 1) * shard_samples, N) - k * shard_samples for k in range(writer.shards)
                if not writer.shard_done(k))
@@ -228,26 +266,27 @@ def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False
         print(f"warning: writing again {bad}", file=stream, flush=True)
     for i in range(N):
         k = i // shard_samples
-        step, rest = divmod(i, accum * R)
-        a, r = divmod(rest, R)
         if writer.shard_done(k):
-            shards[r].next_batch()          # the data position moves on; nothing is run
+            side.advance()
             continue
-        rec.got = {}
-        interp.run_replica(r, lambda rr: shards[rr].next_batch(), generator=micro_generator(seed, accum, step, a, r),
-                           sends=sends)
-        forwards += 1
-        writer.add(i, rec.got)
+        writer.add(i, side.sample())
         done += 1
         if progress and ((i + 1) % shard_samples == 0 or i == N - 1):
             el = time.perf_counter() - t0
             print(f"capture: {i + 1}/{N} samples, shard {k + 1}/{writer.shards}, "
-                      f"{fmt_bytes(writer.bytes_written + kept_bytes)} on disk, {done / max(el, 1e-9):.1f} samples/s, "
+                  f"{fmt_bytes(writer.bytes_written + kept_bytes)} on disk, {done / max(el, 1e-9):.1f} samples/s, "
                   f"ETA {_eta(done, todo, el)}", file=stream, flush=True)
     return {"samples": N, "shards": writer.shards, "kept": kept_before,
             "written_bytes": writer.bytes_written, "bytes": sum(e["bytes"] for e in writer.kept.values()),
-            "seconds": time.perf_counter() - t0, "target_forwards": forwards, "predicted_bytes": bill.default.total,
+            "seconds": time.perf_counter() - t0, "target_forwards": side.forwards, "predicted_bytes": bill.default.total,
             "rewritten": writer.rewritten}
+
+
+def _drafter_side_devices(plan, device_map=()) -> dict[str, str]:
+    """Each transfer's torch device on the drafter side (its output lives there)."""
+    tdev = torch_devices(plan.typed.ctx.spec, list(device_map))
+    nodes = {c.node for c in find_cut(plan.typed).crossings}
+    return {n.id: tdev[plan.typed.ctx.devices_of(n.device)[0]] for n in plan.typed.graph.nodes if n.id in nodes}
 
 
 # -- reading ---------------------------------------------------------------------------------------------------
@@ -286,10 +325,7 @@ class CacheSource:
     def __init__(self, plan, directory: Path, on_bad_shard: str = "stop", workers: int = 1, prefetch: int = 2,
                  sig: dict[str, Any] | None = None, device_map=()):
         self.dir = directory
-        tdev = torch_devices(plan.typed.ctx.spec, list(device_map))
-        # each transfer's output lives on its drafter-side device (the torch device of replica r's placement)
-        self._device = {n.id: [tdev[d] for d in plan.typed.ctx.devices_of(n.device)]
-                        for n in plan.typed.graph.nodes if n.id in {c.node for c in find_cut(plan.typed).crossings}}
+        self._device = _drafter_side_devices(plan, device_map)
         m = read_manifest(directory)
         sig = graph_signature(plan) if sig is None else sig
         diff = compare_signatures(m["signature"], sig)
@@ -313,6 +349,7 @@ class CacheSource:
         self.skipped_samples = 0
         self.bad: list[str] = []
         self.read = 0
+        self.delivered = 0
         self.passes = 0
         self._it = None
         self._buf: list[dict[str, torch.Tensor]] = []
@@ -357,17 +394,99 @@ class CacheSource:
                 continue
             self.read += 1
             for i in range(e["first"], e["first"] + e["samples"]):
-                self._buf.append({c.node: got[tensor_key(i, c.node)].to(self._device[c.node][0])
+                self._buf.append({c.node: got[tensor_key(i, c.node)].to(self._device[c.node])
                                   for c in self.cut.crossings})
             self._buf.reverse()
 
     def next_inbox(self) -> dict[str, torch.Tensor]:
         """The next sample's crossings, by transfer node: what the drafter side's transfers receive."""
         self._fill()
+        self.delivered += 1
         return self._buf.pop()
+
+    def summary(self) -> str:
+        return (f"hidden states: {self.delivered} samples read from {self.dir} (0 target forwards)"
+                + (f"; {self.skipped_samples} samples skipped in {len(self.bad)} bad shard(s)" if self.bad else ""))
 
     def skip(self, n: int) -> None:
         """Past the first n samples (what --resume does: its checkpoint's step, in samples)."""
         n %= self.samples_total
+        for _ in range(n):
+            self.next_inbox()
+
+
+class HybridSource:
+    """run --hidden-states DIR --hybrid: the first pass over the cache's samples runs the target side here and
+    writes each sample as it trains on it (so epoch 0 is the online run), later passes read the cache
+    (CacheSource). A cache already complete is only read; one left incomplete by a stopped run is continued
+    (its complete shards are read, not run again)."""
+
+    def __init__(self, plan, directory: Path, samples: int | None = None, on_bad_shard: str = "stop",
+                 workers: int = 1, prefetch: int = 2, device_map=()):
+        self.plan, self.dir, self.device_map = plan, directory, device_map
+        self.opts = (on_bad_shard, workers, prefetch)
+        spec = plan.typed.ctx.spec
+        self.cut = find_cut(plan.typed)
+        self.sig = graph_signature(plan)
+        self.N = samples if samples is not None else capture_bill(plan, directory).samples
+        self.reader: CacheSource | None = None
+        self.writer: CacheWriter | None = None
+        self.side: TargetSide | None = None
+        complete = False
+        if (directory / MANIFEST).exists():
+            m = read_manifest(directory)
+            complete = (not compare_signatures(m["signature"], self.sig) and m["samples"] == self.N and
+                        len(m["shards"]) == -(-self.N // int(m["shard_samples"])))
+        if complete:
+            self.reader = CacheSource(plan, directory, *self.opts, sig=self.sig, device_map=device_map)
+        else:
+            _fitting_bill(plan, directory, self.N)
+            self.writer = CacheWriter(directory, self.sig, self.N, int(spec.capture.get("shard_samples") or 64),
+                                      self.cut)
+            self.side = TargetSide(plan, self.cut, device_map)
+            self._device = _drafter_side_devices(plan, device_map)
+        self.i = 0
+        self._forwards = 0
+        self._shard: tuple[int, dict] | None = None
+
+    @property
+    def drafter_devices(self) -> tuple[str, ...]:
+        return self.cut.drafter_devices
+
+    @property
+    def target_forwards(self) -> int:
+        return self.side.forwards if self.side is not None else self._forwards
+
+    def summary(self) -> str:
+        read = self.reader.delivered if self.reader is not None else 0
+        return (f"hidden states (hybrid): {self.target_forwards} target forwards captured into {self.dir}, "
+                f"{read} samples read from it" + (f"; {self.reader.skipped_samples} skipped (bad shards)"
+                                                  if self.reader is not None and self.reader.skipped_samples else ""))
+
+    def _kept_sample(self, k: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        if self._shard is None or self._shard[0] != k:
+            self._shard = (k, load_file(str(self.dir / self.writer.kept[k]["file"])))
+        return {c.node: self._shard[1][tensor_key(self.i, c.node)] for c in self.cut.crossings}
+
+    def next_inbox(self) -> dict[str, torch.Tensor]:
+        if self.reader is None and self.i >= self.N:        # the cache is complete: from now on, read it
+            self.reader = CacheSource(self.plan, self.dir, *self.opts, sig=self.sig, device_map=self.device_map)
+            self._forwards = self.side.forwards
+            self.side = None              # the target side's models are no longer needed
+        if self.reader is not None:
+            return self.reader.next_inbox()
+        k = self.i // self.writer.shard_samples
+        if self.writer.shard_done(k):
+            got = self._kept_sample(k)
+            self.side.advance()
+        else:
+            got = self.side.sample()
+            self.writer.add(self.i, got)
+        self.i += 1
+        return {n: t.to(self._device[n]) for n, t in got.items()}
+
+    def skip(self, n: int) -> None:
         for _ in range(n):
             self.next_inbox()
