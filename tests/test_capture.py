@@ -181,3 +181,17 @@ def test_capture_killed_then_resumed(runs, in_repo, tmp_path):
                          text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr
     assert [r["loss"] for r in metrics(tmp_path / "run")] == [r["loss"] for r in metrics(runs / "online")]
+
+
+def test_target_heads_alone_equal_the_full_build(in_repo):
+    """A run from disk builds only the target's embedding, final norm and lm_head (NOTE [Heads only]): the same
+    tensors as the whole model's, and no body."""
+    import torch
+
+    from dflash_graph.models.nn.target import build_target, build_target_heads, embedding, final_norm, lm_head
+
+    full = build_target("graphs/tiny/config.json", "graphs/tiny/model.safetensors", torch.float32, "cpu")
+    heads = build_target_heads("graphs/tiny/config.json", "graphs/tiny/model.safetensors", torch.float32, "cpu")
+    for pick in (embedding, final_norm, lm_head):
+        assert torch.equal(pick(full).weight, pick(heads).weight)
+    assert all(p.is_meta for p in heads.model.layers.parameters())

@@ -198,7 +198,11 @@ def _cmd_run(args, stage: dict) -> int:
             from ..train.trainer import WriteFailed
 
             trainer.fail(trainer.write_problem(WriteFailed(rundir.RUN_FILE, out / rundir.RUN_FILE, e, trainer.start_step)))
-    code = trainer.run()
+    try:
+        code = trainer.run()
+    finally:
+        if source is not None:
+            source.close()
     if source is not None and trainer.is_writer:
         print(f"  {source.summary()}")
     if code == 0 and trainer.is_writer:

@@ -408,6 +408,12 @@ class CacheSource:
         return (f"hidden states: {self.delivered} samples read from {self.dir} (0 target forwards)"
                 + (f"; {self.skipped_samples} samples skipped in {len(self.bad)} bad shard(s)" if self.bad else ""))
 
+    def close(self) -> None:
+        """Stop the loader's workers now (not whenever the iterator is collected)."""
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
     def skip(self, n: int) -> None:
         """Past the first n samples (what --resume does: its checkpoint's step, in samples)."""
         n %= self.samples_total
@@ -490,3 +496,7 @@ class HybridSource:
     def skip(self, n: int) -> None:
         for _ in range(n):
             self.next_inbox()
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()

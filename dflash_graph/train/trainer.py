@@ -307,6 +307,7 @@ class Trainer:
             self.held = held if self.comm is None else None
         torch.manual_seed(self.seed)
         self.store = ModelStore(typed, self.tdev, self.seed)
+        self.store.heads_only = opts.source is not None    # no target body runs here (NOTE [Heads only])
         self.store.preload(local)
         local_cuda = any(self.tdev[d].startswith("cuda") for d in (local or self.tdev))
         self.interp = Interpreter(typed, self.store, self.tdev, strict=opts.strict, seed=self.seed,

@@ -222,6 +222,64 @@ def build_target(
     return model
 
 
+def _weights_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / n for n in sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if len(found) == 1:
+        return found
+    raise FileNotFoundError(f"no model.safetensors(.index.json) under {path}")
+
+
+HEADS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+
+
+def build_target_heads(config: Mapping[str, Any] | str | Path, weights: str | Path, dtype: torch.dtype,
+                       device: torch.device | str, arch: str | None = None):
+    """The target's causal LM with only its embedding, final norm and lm_head materialised on ``device`` (the
+    rest stays on the meta device: no memory, never run), their weights read from ``weights`` by name (only those
+    tensors are read). What a process that never runs the target's body needs: the modules a drafter borrows
+    (run --hidden-states). The three modules equal those of ``build_target`` with the same weights."""
+    from safetensors import safe_open
+
+    _offline()
+    import transformers
+
+    data = _read_config(config)
+    arch = _arch_of(data, arch)
+    cfg = load_config(data, arch)
+    causal_lm = getattr(transformers, ARCHS[arch].hf_causal_lm)
+    with torch.device("meta"):
+        model = causal_lm._from_config(cfg, dtype=dtype)
+    adapt = KEY_ADAPTERS.get(arch, lambda s: s)
+    state: dict[str, Tensor] = {}
+    for f in _weights_files(Path(weights)):
+        with safe_open(str(f), "pt") as fh:
+            names = adapt({k: k for k in fh.keys()})   # noqa: SIM118 (safe_open is not a mapping); ours -> theirs
+            for ours, theirs in names.items():
+                if ours in HEADS:
+                    state[ours] = fh.get_tensor(theirs)
+    if "lm_head.weight" not in state and bool(getattr(cfg, "tie_word_embeddings", False)):
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    missing = sorted(k for k in HEADS if state.get(k) is None)
+    if missing:
+        raise ValueError(f"weights {weights} have no {', '.join(missing)}")
+    device = torch.device(device)
+    for mod, key in ((embedding(model), "model.embed_tokens.weight"), (final_norm(model), "model.norm.weight"),
+                     (lm_head(model), "lm_head.weight")):
+        mod.to_empty(device=device)
+        mod.weight.data.copy_(state[key].to(dtype))
+        mod.requires_grad_(False)
+    model.eval()
+    return model
+
+
 # --------------------------------------------------------------------------- module accessors
 def final_norm(model) -> nn.Module:
     """The target's own final RMSNorm (``model.model.norm``): ``(1 + w) * x/rms(x)`` where the arch's
