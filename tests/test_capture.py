@@ -195,3 +195,22 @@ def test_target_heads_alone_equal_the_full_build(in_repo):
     for pick in (embedding, final_norm, lm_head):
         assert torch.equal(pick(full).weight, pick(heads).weight)
     assert all(p.is_meta for p in heads.model.layers.parameters())
+
+
+def test_capture_refused_when_it_does_not_fit(in_repo, tmp_path, capsys):
+    out = tmp_path / "cache"
+    assert main(["capture", TINY, "--out", str(out), "--set", "capture.disk=1MB", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "the cache would not fit: 400 samples x 292.73 KiB = 114.35 MiB" in err and "[capture] disk" in err
+    assert not out.exists()      # refused before anything was written or built
+
+
+@pytest.mark.slow
+def test_resume_from_disk_continues_exactly(runs, in_repo, tmp_path):
+    out = tmp_path / "run"
+    args = ["run", TINY, "--no-progress", *SMALL, "--set", "train.checkpoint_every=1", "--hidden-states",
+            str(runs / "cache"), "--out", str(out)]
+    assert main([*args, "--steps", "1"]) == 0
+    assert main([*args, "--steps", "4", "--resume", str(out)]) == 0
+    assert all(same(a, b) for a, b in zip(metrics(runs / "disk"), metrics(out)))
+    assert len(metrics(out)) == 4
