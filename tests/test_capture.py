@@ -29,7 +29,10 @@ def metrics(d: Path) -> list[dict]:
 def test_check_capture_bill(in_repo, capsys):
     assert main(["check", TINY, "--capture", "--json", "--set", "capture.disk=10MB"]) == 0
     cap = json.loads(capsys.readouterr().out)["capture"]
-    assert list(cap["bytes_per_sample"]) == ["anchored", "all"] == list(cap["bytes_total"])   # the default first
+    assert list(cap["bytes_per_sample"]) == ["anchored", "all", "anchored-fp8"] == list(cap["bytes_total"])
+    # fp8: one byte per float element and a float32 scale per row: features [256, 256], rows [16, 4, 128]
+    assert cap["storages"][2]["payload_bytes_per_sample"] == 256 * 256 + 256 * 4 + 16 * 4 * 128 + 16 * 4 * 4 \
+        + 2 * 256 * 8 + 16 * 8 + 16 * 4
     payload = sum(c["bytes"] for c in cap["crossings"])
     anchored = cap["storages"][0]
     assert anchored["payload_bytes_per_sample"] == payload
@@ -214,3 +217,27 @@ def test_resume_from_disk_continues_exactly(runs, in_repo, tmp_path):
     assert main([*args, "--steps", "4", "--resume", str(out)]) == 0
     assert all(same(a, b) for a, b in zip(metrics(runs / "disk"), metrics(out)))
     assert len(metrics(out)) == 4
+
+
+def test_fp8_storage(runs, in_repo, tmp_path, capsys):
+    """[capture] dtype = "fp8": float8_e4m3fn with a scale per row; the bytes as predicted, each value within
+    fp8's rounding (3 mantissa bits: half a step is 1/16 of the value, or 2**-10 of the row's amax near 0)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_graph.train.hidden_cache import dequantize
+
+    fp8 = ["--set", "capture.dtype=fp8", "--set", "capture.samples=2", "--set", "capture.shard_samples=2"]
+    assert main(["check", TINY, "--capture", "--json", *fp8]) == 0
+    cap = json.loads(capsys.readouterr().out)["capture"]
+    assert list(cap["bytes_total"])[0] == "anchored-fp8"        # the default: what capture writes
+    assert main(["capture", TINY, "--out", str(tmp_path / "c"), "--no-progress", *fp8]) == 0
+    written = (tmp_path / "c" / "shard-000000.safetensors").stat().st_size
+    assert abs(written - cap["bytes_total"]["anchored-fp8"]) / written < 0.01
+    q, ref = load_file(str(tmp_path / "c" / "shard-000000.safetensors")), load_file(str(runs / "cache" / "shard-000000.safetensors"))
+    for key in ("000000000000/features_tx", "000000000001/last_hidden_tx"):
+        x = ref[key]
+        y = dequantize(q[key], q[key + "#scale"], torch.float32)
+        amax = x.abs().amax(-1, keepdim=True)
+        assert ((y - x).abs() <= x.abs() / 16 + amax * 2.0**-10).all()
+    assert torch.equal(q["000000000000/ids_tx"], ref["000000000000/ids_tx"])     # integers as they are

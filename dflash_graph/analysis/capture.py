@@ -42,7 +42,9 @@ from .launch import analyze_launch, replicas
 FORMAT = "dflash-graph hidden-state cache"
 VERSION = 1
 MANIFEST = "manifest.json"
-STORAGES = ("anchored", "all")     # the default first (NOTE [Storage choices])
+STORAGES = ("anchored", "all", "anchored-fp8")     # NOTE [Storage choices]; the bill lists the default first
+FLOATS = ("float64", "float32", "bfloat16", "float16")
+FP8_MAX = 448.0     # the largest finite float8_e4m3fn (OCP 8-bit floating point spec, E4M3)
 
 
 @attrs.frozen
@@ -127,13 +129,30 @@ def tensor_key(sample: int, node: str) -> str:
     return f"{sample:012d}/{node}"
 
 
-def header_bytes(crossings: Sequence[Crossing], shard_bytes: int) -> int:
+def stored_as(c: Crossing, dtype: str) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """(name suffix, shape, dtype, bytes) of what one crossing is stored as: itself, or under `dtype = "fp8"` a
+    floating crossing as float8_e4m3fn values (1 byte each) and a float32 scale per row (the last axis)."""
+    if dtype != "fp8" or c.dtype not in FLOATS or not c.shape:
+        return [("", c.shape, c.dtype, c.nbytes)]
+    rows = c.shape[:-1]
+    n_rows = 1
+    for d in rows:
+        n_rows *= d
+    return [("", c.shape, "float8_e4m3fn", c.nbytes // _WIDTH[c.dtype]), ("#scale", (*rows, 1), "float32", 4 * n_rows)]
+
+
+_WIDTH = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def header_bytes(crossings: Sequence[Crossing], shard_bytes: int, dtype: str = "native") -> int:
     """Bytes of one sample's entries in a safetensors header (NOTE [Header bytes])."""
     n = 0
     for c in crossings:
-        entry = json.dumps({tensor_key(0, c.node): {"dtype": _ST_DTYPE.get(c.dtype, c.dtype), "shape": list(c.shape),
-                                                    "data_offsets": [shard_bytes, shard_bytes]}}, separators=(",", ":"))
-        n += len(entry) - 2 + 1     # the entry without the braces, and its comma
+        for suffix, shape, dt, _ in stored_as(c, dtype):
+            entry = json.dumps({tensor_key(0, c.node) + suffix: {"dtype": _ST_DTYPE.get(dt, dt), "shape": list(shape),
+                                                                 "data_offsets": [shard_bytes, shard_bytes]}},
+                               separators=(",", ":"))
+            n += len(entry) - 2 + 1     # the entry without the braces, and its comma
     return n
 
 
@@ -184,7 +203,8 @@ class Bill:
                           "bytes_per_sample": s.per_sample, "bytes_total": s.total, "capture_writes": s.capturable,
                           "read_bytes_per_second": self.read_bandwidth(s)} for s in self.storages],
             "as_written_bytes_per_sample": self.as_written_per_sample,
-            "rewrites_save_bytes_per_sample": self.as_written_per_sample - self.default.payload_per_sample,
+            "rewrites_save_bytes_per_sample": self.as_written_per_sample - next(
+                s.payload_per_sample for s in self.storages if s.name == "anchored"),
             "disk_bytes": self.disk_bytes, "disk_from": self.disk_from, "fits": self.fits,
             "drafter_step_seconds": self.drafter_step_seconds,
             "crossings": [{"node": c.node, "source": c.source, "shape": list(c.shape), "dtype": c.dtype,
@@ -241,6 +261,10 @@ def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
     anchored = Storage("anchored", "the checked graph's transfers: " + ", ".join(c.node for c in cut.crossings)
                        + " (anchors fixed at capture, one draw per sample)", pay, pay + head, (pay + head) * samples,
                        True)
+    pay8 = sum(b for c in cut.crossings for *_, b in stored_as(c, "fp8"))
+    head8 = header_bytes(cut.crossings, pay8 * shard, "fp8")
+    fp8 = Storage("anchored-fp8", "as 'anchored', floating tensors as float8_e4m3fn with a float32 scale per row",
+                  pay8, pay8 + head8, (pay8 + head8) * samples, True)
     all_pay, all_what = _all_rows(original)
     all_head = header_bytes(find_cut(original).crossings, all_pay * shard)
     every = Storage("all", all_what, all_pay, all_pay + all_head, (all_pay + all_head) * samples, False)
@@ -256,7 +280,8 @@ def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
     busy = [launch.devices[d].busy_seconds for d in cut.drafter_devices if d in launch.devices]
     # one process runs every drafter device's nodes of a step one after another: their busy times add
     step = sum(busy) if busy and all(b is not None for b in busy) else None
-    return Bill(samples, samples_from, samples_per_step(typed), (anchored, every), as_written, disk_bytes, disk_from,
+    storages = (fp8, anchored, every) if typed.ctx.spec.capture.get("dtype") == "fp8" else (anchored, every, fp8)
+    return Bill(samples, samples_from, samples_per_step(typed), storages, as_written, disk_bytes, disk_from,
                 step, cut.crossings)
 
 
@@ -278,13 +303,14 @@ def render_bill(b: Bill) -> str:
     lines.append(f"  {'storage':<10}{'per sample':>14}{'total':>14}{'read rate':>14}  what")
     for s in b.storages:
         bw = b.read_bandwidth(s)
-        tag = "" if s.capturable else " [predicted; capture writes 'anchored']"
+        tag = "" if s.capturable else " [predicted only: capture does not write it yet]"
         lines.append(f"  {s.name:<10}{fmt_bytes(s.per_sample):>14}{_tb(s.total):>14}"
                      f"{(_rate(bw) if bw else '-'):>14}  {s.what}{tag}")
-    saved = b.as_written_per_sample - b.default.payload_per_sample
+    native = next(s for s in b.storages if s.name == "anchored")
+    saved = b.as_written_per_sample - native.payload_per_sample
     lines.append(f"  the rewrites save {fmt_bytes(saved)} per sample ({fmt_bytes(saved * b.samples)} in all): the graph "
                  f"as written sends {fmt_bytes(b.as_written_per_sample)} per sample, the checked graph "
-                 f"{fmt_bytes(b.default.payload_per_sample)}")
+                 f"{fmt_bytes(native.payload_per_sample)}")
     if b.drafter_step_seconds:
         lines.append(f"  read rate: a step's {b.samples_per_step} samples within the drafter's predicted busy time "
                      f"of {fmt_seconds(b.drafter_step_seconds)} per step")
@@ -358,7 +384,7 @@ def signature(typed: Typed, rewritten: bool, weights_hash: Mapping[str, str | No
                     "seed": int(spec.train.get("seed", 0)), "grad_accum": int(spec.train.get("grad_accum") or 1),
                     "replicas": replicas(typed), "policy": "fixed at capture, one draw per sample"},
         "data": data,
-        "storage": "anchored",
+        "storage": "anchored-fp8" if spec.capture.get("dtype") == "fp8" else "anchored",
     }
 
 

@@ -86,6 +86,21 @@ class _Recorder:
         self.got[route] = x.detach().to("cpu", copy=True).contiguous()   # its own storage (safetensors)
 
 
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 storage: float8_e4m3fn values and one float32 scale per row (the last axis), scale = amax / 448 so the
+    row's largest magnitude maps to fp8's largest finite value; an all-zero row gets scale 1."""
+    from ..analysis.capture import FP8_MAX
+
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
     """NOTE [Atomic shards]: the shard's sha256 and size once it is in place. No `__metadata__`: safetensors
     writes it in hash-map order, so the same shard would not be the same bytes twice (the manifest holds the
@@ -110,6 +125,7 @@ class CacheWriter:
     def __init__(self, directory: Path, sig: dict[str, Any], samples: int, shard_samples: int, cut: Cut,
                  overwrite: bool = False):
         self.dir, self.cut, self.samples, self.shard_samples = directory, cut, samples, shard_samples
+        self.fp8 = sig.get("storage") == "anchored-fp8"
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob(".*.tmp*"):       # what a kill during a write left
             stale.unlink(missing_ok=True)
@@ -156,7 +172,12 @@ class CacheWriter:
         if not self.pending:
             self.pending_first = i
         for node, t in tensors.items():
-            self.pending[tensor_key(i, node)] = t
+            if self.fp8 and t.is_floating_point() and t.dim() > 0:
+                q, scale = quantize(t)
+                self.pending[tensor_key(i, node)] = q
+                self.pending[tensor_key(i, node) + "#scale"] = scale
+            else:
+                self.pending[tensor_key(i, node)] = t
         last = min((k + 1) * self.shard_samples, self.samples) - 1
         if i == last:
             first = k * self.shard_samples
@@ -318,6 +339,15 @@ class _Shards(torch.utils.data.Dataset):
         return k, load(data)
 
 
+def _stored(tensors: dict[str, torch.Tensor], i: int, c) -> torch.Tensor:
+    """Crossing c of sample i as the drafter side receives it (fp8 storage dequantized to the crossing's dtype)."""
+    key = tensor_key(i, c.node)
+    scale = tensors.get(key + "#scale")
+    if scale is None:
+        return tensors[key]
+    return dequantize(tensors[key], scale, getattr(torch, c.dtype))
+
+
 class CacheSource:
     """Where the drafter side's inputs come from in `run --hidden-states DIR`: the cache's samples in order, as
     the receives of the drafter side's transfers (NOTE [Sample order])."""
@@ -394,8 +424,7 @@ class CacheSource:
                 continue
             self.read += 1
             for i in range(e["first"], e["first"] + e["samples"]):
-                self._buf.append({c.node: got[tensor_key(i, c.node)].to(self._device[c.node])
-                                  for c in self.cut.crossings})
+                self._buf.append({c.node: _stored(got, i, c).to(self._device[c.node]) for c in self.cut.crossings})
             self._buf.reverse()
 
     def next_inbox(self) -> dict[str, torch.Tensor]:
@@ -474,7 +503,7 @@ class HybridSource:
 
         if self._shard is None or self._shard[0] != k:
             self._shard = (k, load_file(str(self.dir / self.writer.kept[k]["file"])))
-        return {c.node: self._shard[1][tensor_key(self.i, c.node)] for c in self.cut.crossings}
+        return {c.node: _stored(self._shard[1], self.i, c) for c in self.cut.crossings}
 
     def next_inbox(self) -> dict[str, torch.Tensor]:
         if self.reader is None and self.i >= self.N:        # the cache is complete: from now on, read it
