@@ -300,11 +300,11 @@ def _tb(n: int) -> str:
 def render_bill(b: Bill) -> str:
     lines = [f"capture: the hidden-state cache (docs/offline.md): {b.samples:,} samples ({b.samples_from}), "
              f"{b.samples_per_step} per optimizer step"]
-    lines.append(f"  {'storage':<10}{'per sample':>14}{'total':>14}{'read rate':>14}  what")
+    lines.append(f"  {'storage':<14}{'per sample':>12}{'total':>14}{'read rate':>14}  what")
     for s in b.storages:
         bw = b.read_bandwidth(s)
         tag = "" if s.capturable else " [predicted only: capture does not write it yet]"
-        lines.append(f"  {s.name:<10}{fmt_bytes(s.per_sample):>14}{_tb(s.total):>14}"
+        lines.append(f"  {s.name:<14}{fmt_bytes(s.per_sample):>12}{_tb(s.total):>14}"
                      f"{(_rate(bw) if bw else '-'):>14}  {s.what}{tag}")
     native = next(s for s in b.storages if s.name == "anchored")
     saved = b.as_written_per_sample - native.payload_per_sample
