@@ -127,36 +127,35 @@ class CacheWriter:
         self.dir, self.cut, self.samples, self.shard_samples = directory, cut, samples, shard_samples
         self.fp8 = sig.get("storage") == "anchored-fp8"
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob(".*.tmp*"):       # what a kill during a write left
-            stale.unlink(missing_ok=True)
         self.kept: dict[int, dict] = {}
         self.rewritten: list[str] = []
-        if (directory / MANIFEST).exists() and not overwrite:
+        if overwrite:
+            for p in [*directory.glob("shard-*.safetensors"), directory / MANIFEST]:
+                p.unlink(missing_ok=True)
+        elif (directory / MANIFEST).exists():
             m = read_manifest(directory)
             diff = compare_signatures(m["signature"], sig)
             if m["samples"] != samples or m["shard_samples"] != shard_samples:
                 diff.append(f"samples: the cache has {m['samples']} in shards of {m['shard_samples']}, this capture "
                             f"asks for {samples} in shards of {shard_samples}")
             if diff:
-                raise _refuse_other(directory, diff, f"capture into another --out, or add --overwrite to replace it")
+                raise _refuse_other(directory, diff, "capture into another --out, or add --overwrite to replace it")
             for e in m["shards"]:
                 bad = shard_problem(directory, e)
                 if bad is None:
                     self.kept[e["index"]] = e
                 else:
                     self.rewritten.append(bad)
-        elif any(p for p in directory.iterdir() if p.name != MANIFEST) and not overwrite:
+        elif any(directory.iterdir()):
             raise GraphError(Problem(f"{directory} is not empty and holds no cache ({MANIFEST})",
                                      Location(str(directory)), hint="capture into an empty or new directory, or add "
                                      "--overwrite to write over it"))
-        elif overwrite:
-            for p in directory.glob("shard-*.safetensors"):
-                p.unlink()
+        for stale in directory.glob(".*.tmp*"):       # what a kill during a write left (the directory is a cache)
+            stale.unlink(missing_ok=True)
         self.manifest = new_manifest(sig, samples, shard_samples)
         self.manifest["shards"] = sorted(self.kept.values(), key=lambda e: e["index"])
         write_json_atomic(directory / MANIFEST, self.manifest)
         self.pending: dict[str, torch.Tensor] = {}
-        self.pending_first = 0
         self.bytes_written = 0
 
     @property
@@ -169,8 +168,6 @@ class CacheWriter:
     def add(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         """Sample i (its crossings by transfer node); a shard is written when its last sample arrives."""
         k = i // self.shard_samples
-        if not self.pending:
-            self.pending_first = i
         for node, t in tensors.items():
             if self.fp8 and t.is_floating_point() and t.dim() > 0:
                 q, scale = quantize(t)
