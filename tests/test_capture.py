@@ -49,6 +49,14 @@ def test_check_capture_bill(in_repo, capsys):
     assert anchored["read_bytes_per_second"] > 0
 
 
+def test_check_capture_does_not_import_torch(in_repo, tmp_path):
+    code = ("import sys; from dflash_graph.cli.main import main; "
+            f"rc = main(['check', 'graphs/tiny.toml', '--capture', {str(tmp_path)!r}, '--json']); "
+            "assert 'torch' not in sys.modules and 'safetensors' not in sys.modules, 'check --capture imported torch'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
 def test_signature_differences_are_named():
     a = {"dims": {"seq": 256, "hidden": 128}, "anchors": {"seed": 0}, "storage": "anchored"}
     b = {"dims": {"seq": 512, "hidden": 128}, "anchors": {"seed": 0}}
