@@ -112,6 +112,9 @@ def _cmd_run(args, stage: dict) -> int:
         from ..exec.distributed import check_launch
 
         check_launch(plan.typed, analyze_launch(plan.typed))
+    source = None     # a cache of another graph is refused before anything is printed or written
+    if getattr(args, "hidden_states", None) or getattr(args, "hybrid", False):
+        source = _cache_source(args, plan, distributed)
     from ..train import rundir
 
     resume = Path(args.resume) if args.resume else None
@@ -158,9 +161,6 @@ def _cmd_run(args, stage: dict) -> int:
     out = Path(args.out) if args.out else resume if resume is not None else Path("runs") / spec.name
     if not distributed or os.environ.get("LOCAL_RANK", "0") == "0":   # one process per machine readies the directory
         rundir.prepare(out, resume, getattr(args, "overwrite", False))
-    source = None
-    if getattr(args, "hidden_states", None) or getattr(args, "hybrid", False):
-        source = _cache_source(args, plan, distributed)
     opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
                       progress=not args.no_progress, distributed=distributed, source=source)

@@ -40,6 +40,9 @@ class RunSummary:
         """Why there is no held-out tau, from what the graph and this run actually have."""
         t = self.t
         holdout = int(t.plan.typed.ctx.spec.data.get("holdout") or 0)
+        if t.opts.source is not None:
+            return ("a run from the hidden-state cache does not run the target, which held-out evaluation needs; "
+                    f"dflash-graph eval GRAPH --checkpoint {t.opts.out} measures tau from the checkpoint")
         if not holdout and not self.eval_every:
             return "set [data] holdout and [train] eval_every"
         if not holdout:
