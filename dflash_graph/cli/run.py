@@ -46,8 +46,16 @@ def _cache_source(args, plan, distributed: bool):
     from ..train.hidden_cache import CacheSource, HybridSource
 
     if args.hybrid:
-        return HybridSource(plan, Path(args.hidden_states), None, args.on_bad_shard, args.loader_workers,
-                            device_map=args.device_map)
+        src = HybridSource(plan, Path(args.hidden_states), None, args.on_bad_shard, args.loader_workers,
+                           device_map=args.device_map)
+        from ..analysis.capture import samples_per_step
+
+        steps = args.steps if args.steps is not None else int(plan.typed.ctx.spec.train["steps"])
+        if src.reader is None and src.N >= steps * samples_per_step(plan.typed):
+            print(f"note: --hybrid: the cache holds {src.N} samples, every sample these {steps} steps train on, so "
+                  "nothing will be read back; set [capture] samples to one epoch (--set capture.samples=N)",
+                  file=sys.stderr)
+        return src
     return CacheSource(plan, Path(args.hidden_states), args.on_bad_shard, args.loader_workers,
                        device_map=args.device_map)
 
