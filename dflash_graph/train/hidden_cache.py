@@ -309,6 +309,11 @@ def _drafter_side_devices(plan, device_map=()) -> dict[str, str]:
 
 # -- reading ---------------------------------------------------------------------------------------------------
 
+def _as_is(item):
+    """The loader's collate function: a shard's tensors as read (a module-level function: spawn pickles it)."""
+    return item
+
+
 class _Shards(torch.utils.data.Dataset):
     """One item per shard: its tensors, read and checked against the manifest in a loader worker; a shard that
     is missing or differs comes back as the reason (the main process decides what to do with it)."""
@@ -390,7 +395,7 @@ class CacheSource:
         if self.workers > 0:
             kw["prefetch_factor"] = self.prefetch
         return iter(torch.utils.data.DataLoader(_Shards(self.dir, self.entries), batch_size=None, shuffle=False,
-                                                collate_fn=lambda x: x, **kw))
+                                                collate_fn=_as_is, **kw))
 
     def _fill(self) -> None:
         while not self._buf:
