@@ -65,7 +65,8 @@ class ModelStore:
         self._full: dict[tuple[str, str], nn.Module] = {}
         self._parts: dict[tuple[str, str, str], nn.Module] = {}
         # NOTE [Heads only]: True where no target body runs in this process (run --hidden-states): a target's
-        # embedding, final norm and lm_head are read alone from its weights (models/nn/target.build_target_heads)
+        # embedding, final norm and lm_head are read alone from its weights (models/nn/target.build_target_heads);
+        # a target without weights (random initialisation) is still built whole, to draw the same values
         self.heads_only = False
         self.drafters: dict[str, nn.Module] = {}   # model name -> the trainable module
         # model name -> its data-parallel wrapper (DistributedDataParallel), which the trainable role's forward goes
@@ -124,9 +125,8 @@ class ModelStore:
                 heads = build_target_heads(dict(m.config), weights, DTYPES[m.spec.dtype], tdev, arch=m.spec.arch)
             except Exception as e:
                 raise _weights_error(e, model, weights, self.typed.ctx.spec.loc("models", model, "weights")) from None
-            for c in ("embed", "norm", "lm_head"):
-                self._parts[(model, c, tdev)] = pick(heads) if c == comp else {
-                    "embed": embedding, "norm": final_norm, "lm_head": lm_head}[c](heads)
+            for c, part in (("embed", embedding), ("norm", final_norm), ("lm_head", lm_head)):
+                self._parts[(model, c, tdev)] = part(heads)
         if key not in self._parts:
             src = next((m for (name, _), m in self._full.items() if name == model), None)
             if src is None:
