@@ -249,3 +249,19 @@ def test_fp8_storage(runs, in_repo, tmp_path, capsys):
         amax = x.abs().amax(-1, keepdim=True)
         assert ((y - x).abs() <= x.abs() / 16 + amax * 2.0**-10).all()
     assert torch.equal(q["000000000000/ids_tx"], ref["000000000000/ids_tx"])     # integers as they are
+
+
+def test_all_rows_storage_redraws_anchors(runs, in_repo, tmp_path, capsys):
+    """[capture] storage = "all": the whole last hidden state and the loss mask are stored, the anchors drawn again
+    when read: the first pass is the online run, the second draws other anchors than the anchored cache repeats."""
+    sets = [*SMALL, "--set", "capture.storage=all", "--set", "capture.samples=4"]
+    assert main(["check", TINY, "--capture", "--json", *sets]) == 0
+    predicted = json.loads(capsys.readouterr().out)["capture"]["bytes_total"]["all"]
+    assert main(["capture", TINY, "--out", str(tmp_path / "c"), "--no-progress", *sets]) == 0
+    written = sum(p.stat().st_size for p in (tmp_path / "c").glob("shard-*.safetensors"))
+    assert abs(written - predicted) / written < 0.01
+    assert main(["run", TINY, "--steps", "4", "--out", str(tmp_path / "r"), "--no-progress", *sets,
+                 "--hidden-states", str(tmp_path / "c")]) == 0
+    got, online, anchored = metrics(tmp_path / "r"), metrics(runs / "online"), metrics(runs / "disk")
+    assert all(same(a, b) for a, b in zip(online, got[:2]))
+    assert got[2]["loss"] != anchored[2]["loss"] and got[3]["loss"] != anchored[3]["loss"]

@@ -212,6 +212,13 @@ class Bill:
         }
 
 
+def storage_of(capture: Mapping[str, Any]) -> str:
+    """The storage [capture] asks for: anchored (default), all, or anchored-fp8."""
+    if capture.get("storage") == "all":
+        return "all"
+    return "anchored-fp8" if capture.get("dtype") == "fp8" else "anchored"
+
+
 def default_samples(typed: Typed) -> tuple[int, str]:
     cap, train = typed.ctx.spec.capture, typed.ctx.spec.train
     if cap.get("samples"):
@@ -232,22 +239,53 @@ def free_disk(directory: str | os.PathLike) -> tuple[int, str]:
     return shutil.disk_usage(p).free, f"free space of the filesystem of {directory} (shutil.disk_usage)"
 
 
-def _all_rows(original: Typed) -> tuple[int, str]:
-    """The "all" storage per sample: the graph as written's anchor-independent crossings, and what the anchor
-    sampler reads that does not cross already (NOTE [Storage choices])."""
-    cut = find_cut(original)
-    g = original.graph
-    keep = [c for c in cut.crossings if not c.anchored]
-    crossing_sources = {c.source for c in keep}
-    extra: dict[str, int] = {}
-    for n in g.nodes:
-        if registry.get(n.op).traits.deterministic:
+@attrs.frozen
+class Redraw:
+    """NOTE [Storage choices], "all": the target-side nodes that make the anchored crossings (the anchor sampler
+    and what derives from it: the verifier rows' gather after the rewrites), in graph order, and their inputs
+    from outside that set (the frontier: the loss mask, positions, the whole last hidden state). A cache that
+    stores the frontier runs these nodes again when read, with the pass's own generator: new anchors each epoch."""
+    nodes: tuple[str, ...]
+    frontier: tuple[str, ...]          # `node.output` refs, in graph order
+    frontier_bytes: tuple[int, ...]
+    kept: tuple[Crossing, ...]         # the crossings stored as they are (anchor-independent)
+
+    def stored_bytes(self) -> int:
+        return sum(c.nbytes for c in self.kept) + sum(self.frontier_bytes)
+
+
+def redraw(typed: Typed) -> Redraw:
+    cut = find_cut(typed)
+    g = typed.graph
+    random = _random_descendants(typed)
+    target = set(cut.target_devices)
+    need: set[str] = set()
+    stack = [Ref.parse(c.source).node for c in cut.crossings if c.anchored]
+    while stack:                                       # the anchored crossings' random ancestors on the target side
+        nid = stack.pop()
+        if nid in need or nid not in random:
             continue
-        for _, r in n.inputs:
-            if str(r) not in crossing_sources:
-                extra[str(r)] = original.types[r].nbytes
-    what = ", ".join([*(c.node for c in keep), *extra]) + " (anchors drawn again each epoch)"
-    return sum(c.nbytes for c in keep) + sum(extra.values()), what
+        need.add(nid)
+        stack.extend(r.node for _, r in g[nid].inputs)
+    nodes = tuple(n.id for n in g.nodes if n.id in need)
+    bad = [n for n in nodes if g[n].model or not set(typed.ctx.devices_of(g[n].device)) <= target]
+    if bad:
+        raise GraphError(Problem(f"node '{bad[0]}' makes an anchored crossing and uses a model: the 'all' storage "
+                                 "cannot run it again when the cache is read", typed.ctx.loc(g[bad[0]]),
+                                 hint="use the 'anchored' storage"))
+    frontier: list[str] = []
+    for n in nodes:
+        for _, r in g[n].inputs:
+            if r.node not in need and str(r) not in frontier:
+                frontier.append(str(r))
+    kept = tuple(c for c in cut.crossings if not c.anchored and c.source not in frontier)
+    return Redraw(nodes, tuple(frontier), tuple(typed.types[Ref.parse(r)].nbytes for r in frontier), kept)
+
+
+def _all_header(rd: Redraw, typed: Typed, shard_bytes: int) -> int:
+    fake = [*rd.kept, *(Crossing("@" + r, r, tuple(typed.types[Ref.parse(r)].sizes), typed.types[Ref.parse(r)].dtype,
+                                 b, False) for r, b in zip(rd.frontier, rd.frontier_bytes))]
+    return header_bytes(fake, shard_bytes)
 
 
 def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
@@ -265,9 +303,12 @@ def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
     head8 = header_bytes(cut.crossings, pay8 * shard, "fp8")
     fp8 = Storage("anchored-fp8", "as 'anchored', floating tensors as float8_e4m3fn with a float32 scale per row",
                   pay8, pay8 + head8, (pay8 + head8) * samples, True)
-    all_pay, all_what = _all_rows(original)
-    all_head = header_bytes(find_cut(original).crossings, all_pay * shard)
-    every = Storage("all", all_what, all_pay, all_pay + all_head, (all_pay + all_head) * samples, False)
+    rd = redraw(typed)
+    all_pay = rd.stored_bytes()
+    all_head = _all_header(rd, typed, all_pay * shard)
+    every = Storage("all", ", ".join([*(c.node for c in rd.kept), *rd.frontier]) + " (anchors drawn again each "
+                    f"epoch by {', '.join(rd.nodes)})", all_pay, all_pay + all_head, (all_pay + all_head) * samples,
+                    True)
     as_written = find_cut(original).bytes_per_sample
     disk = typed.ctx.spec.capture.get("disk")
     if disk is not None:
@@ -280,7 +321,8 @@ def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
     busy = [launch.devices[d].busy_seconds for d in cut.drafter_devices if d in launch.devices]
     # one process runs every drafter device's nodes of a step one after another: their busy times add
     step = sum(busy) if busy and all(b is not None for b in busy) else None
-    storages = (fp8, anchored, every) if typed.ctx.spec.capture.get("dtype") == "fp8" else (anchored, every, fp8)
+    first = {"fp8": fp8, "all": every}.get(storage_of(typed.ctx.spec.capture).replace("anchored-", ""), anchored)
+    storages = (first, *(s for s in (anchored, every, fp8) if s is not first))
     return Bill(samples, samples_from, samples_per_step(typed), storages, as_written, disk_bytes, disk_from,
                 step, cut.crossings)
 
@@ -384,7 +426,7 @@ def signature(typed: Typed, rewritten: bool, weights_hash: Mapping[str, str | No
                     "seed": int(spec.train.get("seed", 0)), "grad_accum": int(spec.train.get("grad_accum") or 1),
                     "replicas": replicas(typed), "policy": "fixed at capture, one draw per sample"},
         "data": data,
-        "storage": "anchored-fp8" if spec.capture.get("dtype") == "fp8" else "anchored",
+        "storage": storage_of(spec.capture),
     }
 
 

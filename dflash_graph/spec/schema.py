@@ -210,7 +210,11 @@ CAPTURE = Section("capture", "The hidden-state cache that `dflash-graph capture`
     Key("disk", "size", "Space the cache may take, e.g. \"40 TB\". Absent: the free space of the filesystem of "
         "`capture --out` (`check --capture DIR`), read with shutil.disk_usage.", default=None),
     Key("shard_samples", "int", "Samples per safetensors shard.", default=64, low=1, high=10**6),
-    Key("dtype", "str", "How floating tensors are stored: `native` (as the transfers carry them) or `fp8` "
+    Key("storage", "str", "What is stored: `anchored` (what the checked graph's transfers carry; the anchors fixed "
+        "at capture) or `all` (the transfers that do not depend on the anchors, and the inputs of the nodes that "
+        "make the rest: the whole last hidden state, the loss mask; the anchors drawn again every epoch when read).",
+        default="anchored", choices=("anchored", "all")),
+    Key("dtype", "str", "How floating tensors are stored (with `storage = \"anchored\"`): `native` (as the transfers carry them) or `fp8` "
         "(float8_e4m3fn with one float32 scale per row, the last axis: amax / 448; dequantized when read).",
         default="native", choices=("native", "fp8")),
 ))

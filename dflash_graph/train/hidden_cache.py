@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from ..analysis.capture import (MANIFEST, Cut, capture_bill, compare_signatures, file_sha256, find_cut, json_safe,
+from ..analysis.capture import (MANIFEST, Cut, capture_bill, redraw, storage_of, compare_signatures, file_sha256, find_cut, json_safe,
                                 new_manifest, read_manifest, refuse_unless_fits, shard_name, shard_problem,
                                 signature, tensor_key, weights_files, write_json_atomic, _fsync_dir)
 from ..analysis.launch import replicas
 from ..errors import GraphError, Location, Problem
+from ..ir.graph import Ref
 from ..exec.devices import torch_devices
 from ..exec.interpreter import Interpreter
 from ..exec.models import ModelStore
@@ -123,9 +124,11 @@ class CacheWriter:
     """Shards of a cache, written in sample order (NOTE [Sample order]); resumable (NOTE [Atomic shards])."""
 
     def __init__(self, directory: Path, sig: dict[str, Any], samples: int, shard_samples: int, cut: Cut,
-                 overwrite: bool = False):
+                 overwrite: bool = False, stored: frozenset[str] | None = None):
         self.dir, self.cut, self.samples, self.shard_samples = directory, cut, samples, shard_samples
         self.fp8 = sig.get("storage") == "anchored-fp8"
+        # storage "all": only the anchor-independent crossings that are not in the frontier, and the frontier
+        self.stored = stored
         directory.mkdir(parents=True, exist_ok=True)
         self.kept: dict[int, dict] = {}
         self.rewritten: list[str] = []
@@ -169,6 +172,8 @@ class CacheWriter:
         """Sample i (its crossings by transfer node); a shard is written when its last sample arrives."""
         k = i // self.shard_samples
         for node, t in tensors.items():
+            if self.stored is not None and node not in self.stored:
+                continue           # made again when read (NOTE [Storage choices])
             if self.fp8 and t.is_floating_point() and t.dim() > 0:
                 q, scale = quantize(t)
                 self.pending[tensor_key(i, node)] = q
@@ -191,6 +196,15 @@ class CacheWriter:
     @property
     def complete(self) -> bool:
         return len(self.kept) == self.shards
+
+
+def stored_keys(typed) -> frozenset[str] | None:
+    """What a shard holds per sample under the 'all' storage: the kept crossings and the frontier ('@node.output');
+    None: every crossing (NOTE [Storage choices])."""
+    if storage_of(typed.ctx.spec.capture) != "all":
+        return None
+    rd = redraw(typed)
+    return frozenset([*(c.node for c in rd.kept), *("@" + r for r in rd.frontier)])
 
 
 class TargetSide:
@@ -219,8 +233,12 @@ class TargetSide:
         self.interp = Interpreter(typed, self.store, self.tdev, seed=self.seed, track_memory=False, local=local,
                                   comm=self.rec)
         self.sends = {c.node: c.node for c in cut.crossings}
+        # storage "all": the anchored subgraph's frontier is kept too (NOTE [Storage choices], analysis/capture.py)
+        self.redraw = redraw(typed) if storage_of(spec.capture) == "all" else None
+        self.keep = frozenset(Ref.parse(r) for r in self.redraw.frontier) if self.redraw else frozenset()
         self.forwards = 0
         self.next = 0
+
 
     def _where(self, i: int) -> tuple[int, int, int]:
         step, rest = divmod(i, self.accum * self.R)
@@ -228,13 +246,17 @@ class TargetSide:
         return step, a, r
 
     def sample(self) -> dict[str, torch.Tensor]:
+        """Sample i's crossings by transfer node, and with the 'all' storage its frontier under '@node.output'."""
         step, a, r = self._where(self.next)
         self.rec.got = {}
-        self.interp.run_replica(r, lambda rr: self.shards[rr].next_batch(),
-                                generator=micro_generator(self.seed, self.accum, step, a, r), sends=self.sends)
+        res = self.interp.run_replica(r, lambda rr: self.shards[rr].next_batch(), keep=self.keep,
+                                      generator=micro_generator(self.seed, self.accum, step, a, r), sends=self.sends)
         self.forwards += 1
         self.next += 1
-        return self.rec.got
+        got = dict(self.rec.got)
+        for ref in self.keep:
+            got["@" + str(ref)] = res[ref.node][ref.output].detach().to("cpu", copy=True).contiguous()
+        return got
 
     def advance(self) -> None:
         self.shards[self._where(self.next)[2]].next_batch()   # the data position moves on; nothing is run
@@ -267,7 +289,7 @@ def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False
     N = samples if samples is not None else capture_bill(plan, out).samples
     _fitting_bill(plan, out, N)       # before anything is written or built
     shard_samples = int(spec.capture.get("shard_samples") or 64)
-    writer = CacheWriter(out, graph_signature(plan), N, shard_samples, cut, overwrite)
+    writer = CacheWriter(out, graph_signature(plan), N, shard_samples, cut, overwrite, stored_keys(typed))
     kept_bytes = sum(e["bytes"] for e in writer.kept.values())
     kept_before = len(writer.kept)
     bill = _fitting_bill(plan, out, N, kept_bytes)
@@ -341,6 +363,44 @@ class _Shards(torch.utils.data.Dataset):
         return k, load(data)
 
 
+class Redrawer:
+    """NOTE [Storage choices], "all": the crossings of one sample from what the cache stores: the kept crossings as
+    they are, the anchored ones made again by the anchored subgraph (analysis/capture.redraw) from the stored
+    frontier, with the generator of the training sample being fed (so each epoch draws its own anchors, and the
+    first pass draws the online run's)."""
+
+    def __init__(self, plan):
+        typed = plan.typed
+        spec = typed.ctx.spec
+        self.typed, self.rd, self.cut = typed, redraw(typed), find_cut(typed)
+        interp = Interpreter(typed, None, {d: "cpu" for d in spec.devices}, track_memory=False, local=frozenset())
+        self.impls, self.params = interp.impls, interp.params
+        self.seed, self.accum, self.R = int(spec.train["seed"]), int(spec.train.get("grad_accum") or 1), replicas(typed)
+
+    def __call__(self, stored: dict[str, torch.Tensor], j: int) -> dict[str, torch.Tensor]:
+        from ..exec.interpreter import ExecContext
+
+        step, rest = divmod(j, self.accum * self.R)
+        a, r = divmod(rest, self.R)
+        gen = micro_generator(self.seed, self.accum, step, a, r)
+        env = {Ref.parse(k[1:]): v for k, v in stored.items() if k.startswith("@")}
+        g = self.typed.graph
+        with torch.no_grad():
+            for nid in self.rd.nodes:
+                n = g[nid]
+                ctx = ExecContext(n, self.params[nid], torch.device("cpu"), n.device, r,
+                                  frozenset(self.typed.outputs_of(nid)), gen, None, None)
+                for k, v in self.impls[nid](ctx, **{p: env[ref] for p, ref in n.inputs}).items():
+                    env[Ref(nid, k)] = v
+        return {c.node: stored[c.node] if c.node in stored else env[Ref.parse(c.source)] for c in self.cut.crossings}
+
+
+def _sample(tensors: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Sample i's tensors in a shard, by their name after the sample's prefix."""
+    prefix = tensor_key(i, "")
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def _stored(tensors: dict[str, torch.Tensor], i: int, c) -> torch.Tensor:
     """Crossing c of sample i as the drafter side receives it (fp8 storage dequantized to the crossing's dtype)."""
     key = tensor_key(i, c.node)
@@ -358,6 +418,7 @@ class CacheSource:
                  sig: dict[str, Any] | None = None, device_map=()):
         self.dir = directory
         self._device = _drafter_side_devices(plan, device_map)
+        self.redrawer = Redrawer(plan) if storage_of(plan.typed.ctx.spec.capture) == "all" else None
         m = read_manifest(directory)
         sig = graph_signature(plan) if sig is None else sig
         diff = compare_signatures(m["signature"], sig)
@@ -426,14 +487,20 @@ class CacheSource:
                 continue
             self.read += 1
             for i in range(e["first"], e["first"] + e["samples"]):
-                self._buf.append({c.node: _stored(got, i, c).to(self._device[c.node]) for c in self.cut.crossings})
+                if self.redrawer is not None:
+                    self._buf.append(_sample(got, i))
+                else:
+                    self._buf.append({c.node: _stored(got, i, c) for c in self.cut.crossings})
             self._buf.reverse()
 
     def next_inbox(self) -> dict[str, torch.Tensor]:
         """The next sample's crossings, by transfer node: what the drafter side's transfers receive."""
         self._fill()
+        got = self._buf.pop()
+        if self.redrawer is not None:
+            got = self.redrawer(got, self.delivered)
         self.delivered += 1
-        return self._buf.pop()
+        return {n: t.to(self._device[n]) for n, t in got.items()}
 
     def summary(self) -> str:
         return (f"hidden states: {self.delivered} samples read from {self.dir} (0 target forwards)"
@@ -479,7 +546,7 @@ class HybridSource:
         else:
             _fitting_bill(plan, directory, self.N)
             self.writer = CacheWriter(directory, self.sig, self.N, int(spec.capture.get("shard_samples") or 64),
-                                      self.cut)
+                                      self.cut, stored=stored_keys(plan.typed))
             self.side = TargetSide(plan, self.cut, device_map)
             self._device = _drafter_side_devices(plan, device_map)
         self.i = 0
@@ -505,6 +572,8 @@ class HybridSource:
 
         if self._shard is None or self._shard[0] != k:
             self._shard = (k, load_file(str(self.dir / self.writer.kept[k]["file"])))
+        if storage_of(self.plan.typed.ctx.spec.capture) == "all":
+            return Redrawer(self.plan)(_sample(self._shard[1], self.i), self.i)
         return {c.node: _stored(self._shard[1], self.i, c) for c in self.cut.crossings}
 
     def next_inbox(self) -> dict[str, torch.Tensor]:
@@ -522,7 +591,7 @@ class HybridSource:
             got = self.side.sample()
             self.writer.add(self.i, got)
         self.i += 1
-        return {n: t.to(self._device[n]) for n, t in got.items()}
+        return {c.node: got[c.node].to(self._device[c.node]) for c in self.cut.crossings}
 
     def skip(self, n: int) -> None:
         for _ in range(n):
