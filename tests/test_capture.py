@@ -265,3 +265,15 @@ def test_all_rows_storage_redraws_anchors(runs, in_repo, tmp_path, capsys):
     got, online, anchored = metrics(tmp_path / "r"), metrics(runs / "online"), metrics(runs / "disk")
     assert all(same(a, b) for a, b in zip(online, got[:2]))
     assert got[2]["loss"] != anchored[2]["loss"] and got[3]["loss"] != anchored[3]["loss"]
+
+
+@pytest.mark.slow
+def test_hybrid_all_rows_equals_from_disk(in_repo, tmp_path):
+    """--hybrid with the 'all' storage: epoch 0 captures, epoch 1 reads and draws the anchors a run from the same
+    cache draws for those steps."""
+    sets = [*SMALL, "--set", "capture.storage=all", "--set", "capture.samples=4"]
+    assert main(["run", TINY, "--steps", "4", "--out", str(tmp_path / "h"), "--no-progress", *sets,
+                 "--hidden-states", str(tmp_path / "c"), "--hybrid"]) == 0
+    assert main(["run", TINY, "--steps", "4", "--out", str(tmp_path / "d"), "--no-progress", *sets,
+                 "--hidden-states", str(tmp_path / "c")]) == 0
+    assert all(same(a, b) for a, b in zip(metrics(tmp_path / "h"), metrics(tmp_path / "d")))

@@ -12,9 +12,11 @@ sampling: `Traits.deterministic = False`) is *anchored*: the cache fixes those d
 
 NOTE [Storage choices]: "anchored" stores what the checked graph's transfers carry (after the rewrites: the
 verifier's rows only at the anchors, `gather_through_positionwise` applied to the disk), with the anchors fixed
-at capture, one draw per sample; "all" stores the graph as written's anchor-independent transfers (the whole last
-hidden state and the hooked layers) and the data the anchor sampler reads (loss mask, positions), so that anchors
-are drawn again every epoch. The bytes are exact products of the checked shapes and dtype widths (ir/types.py
+at capture, one draw per sample; "all" stores the transfers that do not depend on the anchors and the inputs of
+the target-side nodes that make the anchored ones (`redraw`: the anchor sampler and what derives from it; its
+frontier is the whole last hidden state, the loss mask, the positions), and those nodes run again when the cache
+is read, so that anchors are drawn again every epoch; "anchored-fp8" is "anchored" with floating tensors as
+float8_e4m3fn and a float32 scale per row. The bytes are exact products of the checked shapes and dtype widths (ir/types.py
 TensorType.nbytes), plus the safetensors header that names each tensor (a JSON object: 8 bytes of length, then
 the names, dtypes, shapes and offsets, padded to 8 bytes; https://github.com/huggingface/safetensors#format),
 estimated per tensor entry as written by `safetensors.torch.save_file`."""

@@ -551,6 +551,7 @@ class HybridSource:
             self._device = _drafter_side_devices(plan, device_map)
         self.i = 0
         self._forwards = 0
+        self._read_from = 0
         self._shard: tuple[int, dict] | None = None
 
     @property
@@ -562,7 +563,7 @@ class HybridSource:
         return self.side.forwards if self.side is not None else self._forwards
 
     def summary(self) -> str:
-        read = self.reader.delivered if self.reader is not None else 0
+        read = self.reader.delivered - self._read_from if self.reader is not None else 0
         return (f"hidden states (hybrid): {self.target_forwards} target forwards captured into {self.dir}, "
                 f"{read} samples read from it" + (f"; {self.reader.skipped_samples} skipped (bad shards)"
                                                   if self.reader is not None and self.reader.skipped_samples else ""))
@@ -579,6 +580,7 @@ class HybridSource:
     def next_inbox(self) -> dict[str, torch.Tensor]:
         if self.reader is None and self.i >= self.N:        # the cache is complete: from now on, read it
             self.reader = CacheSource(self.plan, self.dir, *self.opts, sig=self.sig, device_map=self.device_map)
+            self.reader.delivered = self._read_from = self.i   # the training sample being fed: seeds 'all''s anchors
             self._forwards = self.side.forwards
             self.side = None              # the target side's models are no longer needed
         if self.reader is not None:
