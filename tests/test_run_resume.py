@@ -225,7 +225,7 @@ def test_held_out_tau_says_why_it_was_not_measured():
 
     def summary(holdout, eval_every, comm=None):
         spec = NS(data={"holdout": holdout})
-        t = NS(plan=NS(typed=NS(ctx=NS(spec=spec))), comm=comm, opts=NS(out=Path("runs/t")), start_step=0)
+        t = NS(plan=NS(typed=NS(ctx=NS(spec=spec))), comm=comm, opts=NS(out=Path("runs/t"), source=None), start_step=0)
         return RunSummary(t, RunStats(), eval_every, 4, 0).render(5, Path("runs/t"), {})
 
     assert "not measured (set [data] holdout and [train] eval_every)" in summary(0, 0)
