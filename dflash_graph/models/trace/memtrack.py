@@ -7,6 +7,7 @@ causal-LM forward is compared with the program's evaluated peak for the same con
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -65,11 +66,25 @@ def memtracker_peak(spec: ArchSpec, point: dict[str, int], packing: str,
     # the inputs are the caller's, as the recorder has them (MemTracker would count an input's storage as an
     # activation from the first view an op makes of it: position_ids under packing "mask")
     mt.track_external(model, *[v for v in kw.values() if isinstance(v, torch.Tensor)])
-    with packing_as_run(packing == "mask"), fake, torch.no_grad(), mt:
+    with packing_as_run(packing == "mask"), fake, torch.no_grad(), _no_backward_hooks(), mt:
         (model.model if body else model)(**kw)
     snap = mt.get_tracker_snapshot("peak")
     dev = next(iter(snap))
     return snap[dev][_MemRefType.ACT] + snap[dev][_MemRefType.TEMP]
+
+
+@contextlib.contextmanager
+def _no_backward_hooks():
+    """MemTracker's module tracker without its backward hooks on module inputs, for a forward under no_grad (no
+    backward ever runs, so they would never fire). transformers >= 5.25 calls causal_conv1d_fn as a `kernels`
+    module with a view of the conv weight made under no_grad: it requires grad but has no gradient edge, and
+    torch's register_multi_grad_hook asserts one ("Expected gradient function to be set")."""
+    from unittest import mock
+
+    from torch.distributed._tools import mod_tracker
+
+    with mock.patch.object(mod_tracker, "register_multi_grad_hook", lambda tensors, fn, **kw: None):
+        yield
 
 
 def default_layers(program: dict, n: int) -> list[str]:
