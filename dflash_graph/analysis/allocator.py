@@ -58,6 +58,7 @@ __all__ = [
     "CachingAllocatorSim",
     "AllocatorOutOfMemory",
     "simulate",
+    "simulate_pair",
     "Repeat",
     "Folded",
     "expand_events",
@@ -467,6 +468,42 @@ class CachingAllocatorSim:
         # `set_fraction && garbage_collection_threshold() > 0`.
         self._gc = config.garbage_collection_threshold is not None and capacity_bytes is not None
         self._sizes: dict[int, tuple[int, int]] = {}    # request -> (round_size, allocation_size)
+        # called when a cudaMalloc first would not fit, before anything is released (NOTE [Forked replay])
+        self.on_press: Callable[[], None] | None = None
+
+    def copy(self, capacity_bytes: int | None) -> tuple["CachingAllocatorSim", dict[int, _Block]]:
+        """This allocator as it stands, with another capacity, and its blocks by the id of the block each copies
+        (NOTE [Forked replay]: valid while the capacity has changed nothing)."""
+        new = CachingAllocatorSim(capacity_bytes, self.config)
+        for name in ("allocated", "reserved", "allocated_peak", "reserved_peak", "allocated_peak_index",
+                     "reserved_peak_index", "num_alloc_retries", "num_device_alloc", "num_device_free", "step",
+                     "_next_addr"):
+            setattr(new, name, getattr(self, name))
+        new._sizes = self._sizes           # (a cache of pure functions of the request and the config)
+        pools = {id(self.small): new.small, id(self.large): new.large}
+        olds = list(self.active.values())
+        for pool in (self.small, self.large):
+            copy = pools[id(pool)]
+            copy.gc_calls = pool.gc_calls
+            copy.free = list(pool.free)
+            copy.unmapped = list(pool.unmapped)
+            olds.extend(pool.free_by_addr.values())
+            olds.extend(pool.unmapped_by_addr.values())
+        blocks: dict[int, _Block] = {}
+        for b in olds:                     # every block of every segment: allocated, cached free or unmapped
+            c = _Block(b.size, b.addr, pools[id(b.pool)], b.seg, b.mapped)   # (segments never change)
+            c.allocated, c.gc_base, c.requested = b.allocated, b.gc_base, b.requested
+            blocks[id(b)] = c
+        for b in olds:
+            c = blocks[id(b)]
+            c.prev = None if b.prev is None else blocks[id(b.prev)]
+            c.next = None if b.next is None else blocks[id(b.next)]
+        new.active = {addr: blocks[id(b)] for addr, b in self.active.items()}
+        for pool in (self.small, self.large):
+            copy = pools[id(pool)]
+            copy.free_by_addr = {addr: blocks[id(b)] for addr, b in pool.free_by_addr.items()}
+            copy.unmapped_by_addr = {addr: blocks[id(b)] for addr, b in pool.unmapped_by_addr.items()}
+        return new, blocks
 
     # ------------------------------------------------------------------ stats
     def _add_reserved(self, n: int) -> None:
@@ -616,6 +653,8 @@ class CachingAllocatorSim:
         if self.config.expandable_segments:
             return self._try_allocate_expandable_block(pool, size)
         if not self._fits(alloc_size):
+            if self.on_press is not None:
+                self.on_press()
             return None
         seg = _Segment(self._new_addr(alloc_size, K_ROUND_LARGE), alloc_size, False, alloc_size, pool.is_small)
         self._add_reserved(alloc_size)
@@ -1074,281 +1113,370 @@ def simulate(
     free of an unknown id, negative size, a free whose nonzero size disagrees
     with the allocation).
     """
-    sim = CachingAllocatorSim(capacity_bytes, config)
-    divisions = config.roundup_power2_divisions
-    live: dict[int, tuple[_Block | None, int, int]] = {}     # tensor -> block, size, rounded size
-    owner: dict[int, int] = {}                               # id(block) -> tensor
-    peak = [0, 0, -1]           # live rounded bytes, their peak, its index
-    timeline: list[tuple[int, int]] = []
-    runs: list[tuple[Sequence, int]] = []                    # folded parts of the timeline
-    append = timeline.append
-    malloc, free = sim.malloc, sim.free
-    rounded: dict[int, int] = {}    # round_size by request size: a replay repeats a few hundred sizes
-    touched: dict[int, _Block] | None = None                # id(segment) -> a live block of it, while folding
+    return _Replay(events, CachingAllocatorSim(capacity_bytes, config)).run()
 
-    def apply(i: int, op: str, tensor: int, size: int, label: str) -> OomReport | None:
-        sim.step = i
-        if op == "alloc":
-            if tensor in live:
-                raise ValueError(f"event {i}: tensor {tensor} allocated twice without a free")
-            if size < 0:
-                raise ValueError(f"event {i}: negative size {size}")
-            if size == 0:
-                # NOTE: CCA.cpp `NativeCachingAllocator::allocate`: size-0
-                # requests return a null DataPtr and never reach malloc.
-                live[tensor] = (None, 0, 0)
+
+def simulate_pair(
+    events: Sequence,
+    capacity_bytes: int | None,
+    config: AllocatorConfig = AllocatorConfig(),
+) -> tuple[SimResult, SimResult | None]:
+    """``simulate(events, capacity_bytes, config)`` and, when it runs out of
+    memory, ``simulate(events, None, config)`` (what the schedule would need),
+    else None: equal to those two replays, field for field, but the unbounded
+    one goes on from a copy of the bounded one where capacity first pressed
+    (NOTE [Forked replay]) instead of replaying the events before it again.
+    """
+    bounded = _Replay(events, CachingAllocatorSim(capacity_bytes, config))
+    result = bounded.run(fork=True)
+    if result.oom is None:
+        return result, None
+    if bounded.forked is not None:
+        return result, bounded.forked.run()
+    return result, simulate(events, None, config)
+
+
+# NOTE [Forked replay]: check replays a device's events against its usable memory and, when they do not fit,
+# again without a limit (what the schedule would need). The two replays are one until capacity first presses:
+# the first cudaMalloc that would not fit (CachingAllocatorSim._alloc_block, before the allocator releases
+# cached segments or fails). Until then both allocators made the same calls with the same results, for nothing
+# else reads the capacity: garbage collection does (it runs only with a capacity, and counts the calls to
+# get_free_block, which it ages blocks by), and so does an expandable segment (its virtual range is sized from
+# the capacity), so a replay with either is never forked. At the press nothing of the event has changed the
+# allocator yet (get_free_block found no block and took none), so simulate_pair's bounded replay copies itself
+# there (_Replay.fork: every block, the tensors alive, the counters, the timeline so far, with capacity None)
+# and the copy starts at the event that pressed, inside a Repeat at the repetition and event it was at (the
+# bookkeeping that finds a cycle starts afresh there: folding only skips what replaying would do). The bounded
+# replay goes on to its OOM; the copy is run only when there is one. tests/test_allocator.py checks the pair
+# against two replays from scratch, event for event, on random event lists with and without Repeat markers.
+
+
+class _Replay:
+    """One replay of an event list through an allocator (simulate): the allocator, the tensors alive, the live
+    rounded bytes and their peak, the timeline so far, and where in the list it stands (`at`); `fork` copies
+    it (NOTE [Forked replay])."""
+
+    def __init__(self, events: Sequence, sim: "CachingAllocatorSim"):
+        self.events = events
+        self.sim = sim
+        self.live: dict[int, tuple[_Block | None, int, int]] = {}     # tensor -> block, size, rounded size
+        self.owner: dict[int, int] = {}                               # id(block) -> tensor
+        self.peak = [0, 0, -1]           # live rounded bytes, their peak, its index
+        self.timeline: list[tuple[int, int]] = []
+        self.runs: list[tuple[Sequence, int]] = []                    # folded parts of the timeline
+        self.lazy: list[tuple] = []      # repetitions skipped by grow, their segments made when one is first freed
+        self.rounded: dict[int, int] = {}    # round_size by request size: a replay repeats a few hundred sizes
+        # the item of `events` to start at, the repetition (1..times) and the event in it when that is a
+        # Repeat marker (0, 0 otherwise), and the index of that event counting every event a marker stands for
+        self.at = (0, 0, 0, 0)
+        self.forked: _Replay | None = None
+
+    def fork(self, at: tuple[int, int, int, int]) -> "_Replay":
+        """This replay with no capacity, to go on from `at` (NOTE [Forked replay])."""
+        sim, blocks = self.sim.copy(None)
+        new = _Replay(self.events, sim)
+        new.live = {t: (None if b is None else blocks[id(b)], s, r) for t, (b, s, r) in self.live.items()}
+        new.owner = {id(blocks[b]): t for b, t in self.owner.items()}
+        new.peak = list(self.peak)
+        new.timeline = list(self.timeline)
+        new.runs = list(self.runs)         # (their parts are never changed once made)
+        new.lazy = [(*entry[:-1], set(entry[-1])) for entry in self.lazy]
+        new.rounded = self.rounded
+        new.at = at
+        return new
+
+    def run(self, fork: bool = False) -> SimResult:
+        """Replay from `at` to the end or the first OOM; with `fork`, leave in `forked` a copy taken where
+        capacity first pressed, if it did and the replay can be forked (NOTE [Forked replay])."""
+        events = self.events
+        sim = self.sim
+        capacity_bytes = sim.capacity
+        divisions = sim.config.roundup_power2_divisions
+        live, owner, peak = self.live, self.owner, self.peak
+        timeline, runs, lazy, rounded = self.timeline, self.runs, self.lazy, self.rounded
+        append = timeline.append
+        malloc, free = sim.malloc, sim.free
+        touched: dict[int, _Block] | None = None                # id(segment) -> a live block of it, while folding
+        j0, k0, r0, x = self.at
+
+        def apply(i: int, op: str, tensor: int, size: int, label: str) -> OomReport | None:
+            sim.step = i
+            if op == "alloc":
+                if tensor in live:
+                    raise ValueError(f"event {i}: tensor {tensor} allocated twice without a free")
+                if size < 0:
+                    raise ValueError(f"event {i}: negative size {size}")
+                if size == 0:
+                    # NOTE: CCA.cpp `NativeCachingAllocator::allocate`: size-0
+                    # requests return a null DataPtr and never reach malloc.
+                    live[tensor] = (None, 0, 0)
+                else:
+                    try:
+                        blk = malloc(size, label, tensor)
+                    except AllocatorOutOfMemory as e:
+                        append((sim.allocated, sim.reserved))
+                        return attrs.evolve(e.report, live_rounded_bytes=peak[0])
+                    r = rounded.get(size)
+                    if r is None:
+                        r = rounded[size] = round_size(size, divisions)
+                    live[tensor] = (blk, size, r)
+                    owner[id(blk)] = tensor
+                    if touched is not None:
+                        touched[id(blk.seg)] = blk
+                        if blk.seg.expandable:   # the span it changed: the block and the rest of the free block it split
+                            nxt = blk.next
+                            note(blk, blk.addr, nxt.addr + nxt.size if nxt is not None and not nxt.allocated
+                                 else blk.addr + blk.size)
+                    peak[0] += r
+                    if peak[0] > peak[1]:
+                        peak[1] = peak[0]
+                        peak[2] = i
+            elif op == "free":
+                if tensor not in live and not (lazy and made(tensor)):
+                    raise ValueError(f"event {i}: free of unknown tensor {tensor}")
+                blk, have, r = live.pop(tensor)
+                if size != 0 and size != have:
+                    raise ValueError(f"event {i}: free size {size} != allocated size {have} for tensor {tensor}")
+                if blk is not None:
+                    del owner[id(blk)]
+                    free(blk)
+                    if touched is not None:
+                        touched[id(blk.seg)] = blk     # (free merges its free neighbours into blk: blk lives on)
+                        if blk.seg.expandable:
+                            note(blk, blk.addr, blk.addr + blk.size)
+                    peak[0] -= r
+            elif op == "empty_cache":
+                sim.empty_cache()
             else:
-                try:
-                    blk = malloc(size, label, tensor)
-                except AllocatorOutOfMemory as e:
-                    append((sim.allocated, sim.reserved))
-                    return attrs.evolve(e.report, live_rounded_bytes=peak[0])
-                r = rounded.get(size)
-                if r is None:
-                    r = rounded[size] = round_size(size, divisions)
-                live[tensor] = (blk, size, r)
-                owner[id(blk)] = tensor
-                if touched is not None:
-                    touched[id(blk.seg)] = blk
-                    if blk.seg.expandable:   # the span it changed: the block and the rest of the free block it split
-                        nxt = blk.next
-                        note(blk, blk.addr, nxt.addr + nxt.size if nxt is not None and not nxt.allocated
-                             else blk.addr + blk.size)
-                peak[0] += r
-                if peak[0] > peak[1]:
-                    peak[1] = peak[0]
-                    peak[2] = i
-        elif op == "free":
-            if tensor not in live and not (lazy and made(tensor)):
-                raise ValueError(f"event {i}: free of unknown tensor {tensor}")
-            blk, have, r = live.pop(tensor)
-            if size != 0 and size != have:
-                raise ValueError(f"event {i}: free size {size} != allocated size {have} for tensor {tensor}")
-            if blk is not None:
-                del owner[id(blk)]
-                free(blk)
-                if touched is not None:
-                    touched[id(blk.seg)] = blk     # (free merges its free neighbours into blk: blk lives on)
-                    if blk.seg.expandable:
-                        note(blk, blk.addr, blk.addr + blk.size)
-                peak[0] -= r
-        elif op == "empty_cache":
-            sim.empty_cache()
-        else:
-            raise ValueError(f"event {i}: unknown op {op!r}")
-        append((sim.allocated, sim.reserved))
-        return None
-
-    spans: dict[int, list[int]] = {}     # id(expandable segment) -> [lo, hi): where the repetition changed it
-
-    def note(blk: _Block, lo: int, hi: int) -> None:
-        s = spans.get(id(blk.seg))
-        if s is None:
-            spans[id(blk.seg)] = [lo, hi]
-        else:
-            s[0], s[1] = min(s[0], lo), max(s[1], hi)
-
-    def state(base: int, cut: int) -> tuple | None:
-        """The allocator's state where the last repetition touched it (NOTE [Folded replay]); None when a block
-        is not where its neighbours say (then nothing is folded). An expandable segment holds every block of its
-        pool (a model's weights too): only the blocks over the span the repetition changed are read, the others
-        being as they were."""
-        segs = []
-        for blk in touched.values():
-            span = spans.get(id(blk.seg)) if blk.seg.expandable else None
-            head = blk
-            while head.prev is not None and (span is None or head.addr > span[0]):
-                head = head.prev
-            row = [head.seg.base]
-            b: _Block | None = head
-            while b is not None and (span is None or b.addr < span[1]):
-                if b.next is not None and b.next.prev is not b:
-                    return None
-                t = owner.get(id(b)) if b.allocated else None
-                row.append((b.addr, b.size, b.allocated, b.mapped,
-                            None if t is None else (0, t - base) if t >= cut else (1, t)))
-                b = b.next
-            segs.append(tuple(row))
-        segs.sort()
-        return (sim.allocated, sim.reserved, sim.num_device_alloc, sim.num_device_free, sim.num_alloc_retries,
-                sim._next_addr, peak[0], tuple(segs))
-
-    def growth(before: tuple, base: int, first: int) -> tuple | None:
-        """How a repetition that only allocates grew the allocator, when it only made new segments, each wholly
-        allocated (NOTE [Folded replay]): their blocks (offset, size, request, tensor from the repetition's
-        first id), the counters' growth, where in it each peak was last raised, and its timeline less its start;
-        None otherwise."""
-        x0, a0, r0, n0, f0, t0, next0, l0 = before
-        if (sim.num_device_free, sim.num_alloc_retries) != (f0, t0) or sim.allocated_peak_index < x0 or \
-                sim.reserved_peak_index < x0 or peak[2] < x0:
+                raise ValueError(f"event {i}: unknown op {op!r}")
+            append((sim.allocated, sim.reserved))
             return None
-        segs = []
-        for blk in touched.values():
-            seg = blk.seg
-            if seg.base < next0 or seg.expandable:
-                return None           # an old segment (or the expandable one) changed
-            head = blk
-            while head.prev is not None:
-                head = head.prev
-            row = []
-            b: _Block | None = head
-            while b is not None:
-                t = owner.get(id(b))
-                if not b.allocated or not b.mapped or t is None or t < base:
-                    return None
-                row.append((b.addr - seg.base, b.size, b.requested, t - base))
-                b = b.next
-            segs.append((seg.base, seg.size, seg.is_small, tuple(row)))
-        segs.sort()
-        at = next0
-        for seg_base, size, _, _ in segs:    # one after the other, as `made` will place them again
-            if seg_base != at:
+
+        spans: dict[int, list[int]] = {}     # id(expandable segment) -> [lo, hi): where the repetition changed it
+
+        def note(blk: _Block, lo: int, hi: int) -> None:
+            s = spans.get(id(blk.seg))
+            if s is None:
+                spans[id(blk.seg)] = [lo, hi]
+            else:
+                s[0], s[1] = min(s[0], lo), max(s[1], hi)
+
+        def state(base: int, cut: int) -> tuple | None:
+            """The allocator's state where the last repetition touched it (NOTE [Folded replay]); None when a block
+            is not where its neighbours say (then nothing is folded). An expandable segment holds every block of its
+            pool (a model's weights too): only the blocks over the span the repetition changed are read, the others
+            being as they were."""
+            segs = []
+            for blk in touched.values():
+                span = spans.get(id(blk.seg)) if blk.seg.expandable else None
+                head = blk
+                while head.prev is not None and (span is None or head.addr > span[0]):
+                    head = head.prev
+                row = [head.seg.base]
+                b: _Block | None = head
+                while b is not None and (span is None or b.addr < span[1]):
+                    if b.next is not None and b.next.prev is not b:
+                        return None
+                    t = owner.get(id(b)) if b.allocated else None
+                    row.append((b.addr, b.size, b.allocated, b.mapped,
+                                None if t is None else (0, t - base) if t >= cut else (1, t)))
+                    b = b.next
+                segs.append(tuple(row))
+            segs.sort()
+            return (sim.allocated, sim.reserved, sim.num_device_alloc, sim.num_device_free, sim.num_alloc_retries,
+                    sim._next_addr, peak[0], tuple(segs))
+
+        def growth(before: tuple, base: int, first: int) -> tuple | None:
+            """How a repetition that only allocates grew the allocator, when it only made new segments, each wholly
+            allocated (NOTE [Folded replay]): their blocks (offset, size, request, tensor from the repetition's
+            first id), the counters' growth, where in it each peak was last raised, and its timeline less its start;
+            None otherwise."""
+            x0, a0, r0, n0, f0, t0, next0, l0 = before
+            if (sim.num_device_free, sim.num_alloc_retries) != (f0, t0) or sim.allocated_peak_index < x0 or \
+                    sim.reserved_peak_index < x0 or peak[2] < x0:
                 return None
-            at += size + K_LARGE_BUFFER
-        if at != sim._next_addr:
-            return None
-        return (tuple((size, small, row) for _, size, small, row in segs),
-                (sim.allocated - a0, sim.reserved - r0, sim.num_device_alloc - n0, sim._next_addr - next0,
-                 peak[0] - l0),
-                (sim.allocated_peak_index - x0, sim.reserved_peak_index - x0, peak[2] - x0),
-                tuple((a - a0, r - r0) for a, r in timeline[first:]))
+            segs = []
+            for blk in touched.values():
+                seg = blk.seg
+                if seg.base < next0 or seg.expandable:
+                    return None           # an old segment (or the expandable one) changed
+                head = blk
+                while head.prev is not None:
+                    head = head.prev
+                row = []
+                b: _Block | None = head
+                while b is not None:
+                    t = owner.get(id(b))
+                    if not b.allocated or not b.mapped or t is None or t < base:
+                        return None
+                    row.append((b.addr - seg.base, b.size, b.requested, t - base))
+                    b = b.next
+                segs.append((seg.base, seg.size, seg.is_small, tuple(row)))
+            segs.sort()
+            at = next0
+            for seg_base, size, _, _ in segs:    # one after the other, as `made` will place them again
+                if seg_base != at:
+                    return None
+                at += size + K_LARGE_BUFFER
+            if at != sim._next_addr:
+                return None
+            return (tuple((size, small, row) for _, size, small, row in segs),
+                    (sim.allocated - a0, sim.reserved - r0, sim.num_device_alloc - n0, sim._next_addr - next0,
+                     peak[0] - l0),
+                    (sim.allocated_peak_index - x0, sim.reserved_peak_index - x0, peak[2] - x0),
+                    tuple((a - a0, r - r0) for a, r in timeline[first:]))
 
-    lazy: list[tuple] = []      # repetitions skipped by grow, their segments made when one is first freed
+        def grow(g: tuple, base: int, stride: int, more: int) -> None:
+            """`more` repetitions like the last, which only made new, wholly allocated segments (growth): every
+            counter and peak moved on, and the segments noted, to be made (at the addresses cudaMalloc gives them)
+            only if one of their tensors is ever freed (`made`)."""
+            layout, (da, dr, dn, dnext, dl), _, _ = g
+            lazy.append((base + stride, base + (more + 1) * stride, stride, layout, sim._next_addr, dnext, set()))
+            span = more * len(g[3])
+            sim._next_addr += more * dnext
+            sim.allocated += more * da
+            sim.reserved += more * dr
+            sim.num_device_alloc += more * dn
+            peak[0] += more * dl
+            sim.allocated_peak, sim.allocated_peak_index = sim.allocated_peak + more * da, sim.allocated_peak_index + span
+            sim.reserved_peak, sim.reserved_peak_index = sim.reserved_peak + more * dr, sim.reserved_peak_index + span
+            peak[1], peak[2] = peak[1] + more * dl, peak[2] + span
 
-    def grow(g: tuple, base: int, stride: int, more: int) -> None:
-        """`more` repetitions like the last, which only made new, wholly allocated segments (growth): every
-        counter and peak moved on, and the segments noted, to be made (at the addresses cudaMalloc gives them)
-        only if one of their tensors is ever freed (`made`)."""
-        layout, (da, dr, dn, dnext, dl), _, _ = g
-        lazy.append((base + stride, base + (more + 1) * stride, stride, layout, sim._next_addr, dnext, set()))
-        span = more * len(g[3])
-        sim._next_addr += more * dnext
-        sim.allocated += more * da
-        sim.reserved += more * dr
-        sim.num_device_alloc += more * dn
-        peak[0] += more * dl
-        sim.allocated_peak, sim.allocated_peak_index = sim.allocated_peak + more * da, sim.allocated_peak_index + span
-        sim.reserved_peak, sim.reserved_peak_index = sim.reserved_peak + more * dr, sim.reserved_peak_index + span
-        peak[1], peak[2] = peak[1] + more * dl, peak[2] + span
+        def made(tensor: int) -> bool:
+            """Make the segments of the skipped repetition that allocated `tensor` (grow), if one did."""
+            for first, end, stride, layout, addr, dnext, done in lazy:
+                if first <= tensor < end:
+                    j = (tensor - first) // stride
+                    if j in done:
+                        return False
+                    done.add(j)
+                    at = addr + j * dnext
+                    for size, small, row in layout:
+                        # (cudaMalloc's addresses: every segment size is a multiple of the 2 MiB alignment, so the
+                        # bump pointer stays aligned and each segment starts where the one before left it)
+                        pool = sim.small if small else sim.large
+                        seg = _Segment(at, size, False, size, small)
+                        at += size + K_LARGE_BUFFER
+                        prev: _Block | None = None
+                        for off, bsize, requested, rel in row:
+                            b = _Block(bsize, seg.base + off, pool, seg)
+                            b.allocated = True
+                            b.requested = requested
+                            b.prev = prev
+                            if prev is not None:
+                                prev.next = b
+                            prev = b
+                            sim.active[b.addr] = b
+                            t = first + j * stride + rel
+                            live[t] = (b, requested, round_size(requested, divisions))
+                            owner[id(b)] = t
+                    return True
+            return False
 
-    def made(tensor: int) -> bool:
-        """Make the segments of the skipped repetition that allocated `tensor` (grow), if one did."""
-        for first, end, stride, layout, addr, dnext, done in lazy:
-            if first <= tensor < end:
-                j = (tensor - first) // stride
-                if j in done:
-                    return False
-                done.add(j)
-                at = addr + j * dnext
-                for size, small, row in layout:
-                    # (cudaMalloc's addresses: every segment size is a multiple of the 2 MiB alignment, so the
-                    # bump pointer stays aligned and each segment starts where the one before left it)
-                    pool = sim.small if small else sim.large
-                    seg = _Segment(at, size, False, size, small)
-                    at += size + K_LARGE_BUFFER
-                    prev: _Block | None = None
-                    for off, bsize, requested, rel in row:
-                        b = _Block(bsize, seg.base + off, pool, seg)
-                        b.allocated = True
-                        b.requested = requested
-                        b.prev = prev
-                        if prev is not None:
-                            prev.next = b
-                        prev = b
-                        sim.active[b.addr] = b
-                        t = first + j * stride + rel
-                        live[t] = (b, requested, round_size(requested, divisions))
-                        owner[id(b)] = t
-                return True
-        return False
+        where = [j0, 0, 0]          # the item of `events` being replayed, and in a Repeat its repetition and event
 
-    oom: OomReport | None = None
-    x = 0                       # the index of the next event, counting every event a marker stands for
-    for j, ev in enumerate(events):
-        if type(ev) is not Repeat:
-            oom = apply(x, ev.op, ev.tensor, ev.size, ev.label)
-            x += 1
-            if oom is not None:
-                break
-            continue
-        base = events[j - ev.length:j]
-        cut = ev.lo - ev.stride
-        allocs_only = all(e.op == "alloc" for e in base)
-        states: list = []           # per repetition: the state where it touched it
-        starts: list[int] = []      # per repetition: where its timeline entries start
-        grown: list = []            # per repetition that only allocates: how it grew the allocator (or None)
-        k = 1
-        while k <= ev.times:
-            shift = k * ev.stride
-            touched = {} if not sim._gc and k <= MAX_FOLD_TRIES else None
-            spans.clear()
-            starts.append(len(timeline))
-            before = (x, sim.allocated, sim.reserved, sim.num_device_alloc, sim.num_device_free,
-                      sim.num_alloc_retries, sim._next_addr, peak[0])
-            for i, e in enumerate(base):
-                oom = apply(x, e.op, e.tensor + shift if e.tensor >= cut else e.tensor, e.size, "")
+        def press() -> None:
+            # capacity presses for the first time: copy the replay as it was before this event (NOTE [Forked
+            # replay]), to go on from this event
+            sim.on_press = None
+            j, k, i = where
+            self.forked = self.fork((j, k, i, sim.step) if type(events[j]) is Repeat else (j, 0, 0, sim.step))
+
+        if fork and capacity_bytes is not None and not sim._gc and not sim.config.expandable_segments:
+            sim.on_press = press
+        oom: OomReport | None = None
+        for j in range(j0, len(events)):       # x: the index of the next event, counting every event a marker stands for
+            ev = events[j]
+            if type(ev) is not Repeat:
+                where[0] = j
+                oom = apply(x, ev.op, ev.tensor, ev.size, ev.label)
                 x += 1
                 if oom is not None:
-                    oom = attrs.evolve(oom, label=ev.label(k, i))
                     break
+                continue
+            base = events[j - ev.length:j]
+            cut = ev.lo - ev.stride
+            allocs_only = all(e.op == "alloc" for e in base)
+            states: list = []           # per repetition: the state where it touched it
+            starts: list[int] = []      # per repetition: where its timeline entries start
+            grown: list = []            # per repetition that only allocates: how it grew the allocator (or None)
+            where[0] = j
+            k, r0 = (k0, r0) if j == j0 and k0 else (1, 0)    # a fork goes on inside its repetition
+            while k <= ev.times:
+                shift = k * ev.stride
+                touched = {} if not sim._gc and k <= MAX_FOLD_TRIES and not r0 else None
+                spans.clear()
+                starts.append(len(timeline))
+                before = (x, sim.allocated, sim.reserved, sim.num_device_alloc, sim.num_device_free,
+                          sim.num_alloc_retries, sim._next_addr, peak[0])
+                where[1] = k
+                for i in range(r0, len(base)):
+                    e = base[i]
+                    where[2] = i
+                    oom = apply(x, e.op, e.tensor + shift if e.tensor >= cut else e.tensor, e.size, "")
+                    x += 1
+                    if oom is not None:
+                        oom = attrs.evolve(oom, label=ev.label(k, i))
+                        break
+                r0 = 0
+                if oom is not None:
+                    break
+                if allocs_only and touched is not None:
+                    grown.append(growth(before, ev.lo + shift, starts[-1]))
+                    if len(grown) >= 2 and grown[-1] is not None and grown[-1] == grown[-2] and k < ev.times:
+                        g = grown[-1]
+                        more = ev.times - k
+                        if capacity_bytes is not None:     # the rest until a cudaMalloc would not fit: one by one
+                            more = min(more, (capacity_bytes - sim.reserved) // g[1][1])
+                        if more > 0:
+                            runs.append((timeline[:starts[-1]], 1))
+                            runs.append((timeline[starts[-1]:], more + 1, g[1][:2]))
+                            timeline.clear()
+                            grow(g, ev.lo + shift, ev.stride, more)
+                            x += more * ev.length
+                            k += more
+                            starts, states, grown = [], [None], []
+                            touched = None
+                            k += 1
+                            continue
+                states.append(state(ev.lo + shift, cut + shift) if touched is not None else None)
+                touched = None
+                c = _cycle(states)
+                if c and ev.times - k >= c:
+                    skip = (ev.times - k) // c * c     # every later cycle of c repetitions does what the last did
+                    first = starts[-c]
+                    runs.append((timeline[:first], 1))
+                    runs.append((timeline[first:], skip // c + 1))
+                    timeline.clear()
+                    starts = []
+                    moved = {}
+                    for t in [t for t in live if t >= cut + shift]:
+                        moved[t + skip * ev.stride] = live.pop(t)
+                    for t, entry in moved.items():
+                        live[t] = entry
+                        if entry[0] is not None:
+                            owner[id(entry[0])] = t
+                    x += skip * ev.length
+                    k += skip
+                    states = [None]        # the rest (fewer than c) one by one
+                k += 1
             if oom is not None:
                 break
-            if allocs_only and touched is not None:
-                grown.append(growth(before, ev.lo + shift, starts[-1]))
-                if len(grown) >= 2 and grown[-1] is not None and grown[-1] == grown[-2] and k < ev.times:
-                    g = grown[-1]
-                    more = ev.times - k
-                    if capacity_bytes is not None:     # the rest until a cudaMalloc would not fit: one by one
-                        more = min(more, (capacity_bytes - sim.reserved) // g[1][1])
-                    if more > 0:
-                        runs.append((timeline[:starts[-1]], 1))
-                        runs.append((timeline[starts[-1]:], more + 1, g[1][:2]))
-                        timeline.clear()
-                        grow(g, ev.lo + shift, ev.stride, more)
-                        x += more * ev.length
-                        k += more
-                        starts, states, grown = [], [None], []
-                        touched = None
-                        k += 1
-                        continue
-            states.append(state(ev.lo + shift, cut + shift) if touched is not None else None)
-            touched = None
-            c = _cycle(states)
-            if c and ev.times - k >= c:
-                skip = (ev.times - k) // c * c     # every later cycle of c repetitions does what the last did
-                first = starts[-c]
-                runs.append((timeline[:first], 1))
-                runs.append((timeline[first:], skip // c + 1))
-                timeline.clear()
-                starts = []
-                moved = {}
-                for t in [t for t in live if t >= cut + shift]:
-                    moved[t + skip * ev.stride] = live.pop(t)
-                for t, entry in moved.items():
-                    live[t] = entry
-                    if entry[0] is not None:
-                        owner[id(entry[0])] = t
-                x += skip * ev.length
-                k += skip
-                states = [None]        # the rest (fewer than c) one by one
-            k += 1
-        if oom is not None:
-            break
-    return SimResult(
-        allocated_peak=sim.allocated_peak,
-        reserved_peak=sim.reserved_peak,
-        allocated_peak_index=sim.allocated_peak_index,
-        reserved_peak_index=sim.reserved_peak_index,
-        oom=oom,
-        timeline=Folded(runs + [(timeline, 1)]) if runs else tuple(timeline),
-        live_rounded_peak=peak[1],
-        live_rounded_peak_index=peak[2],
-        final_allocated=sim.allocated,
-        final_reserved=sim.reserved,
-        num_alloc_retries=sim.num_alloc_retries,
-        num_device_alloc=sim.num_device_alloc,
-        num_device_free=sim.num_device_free,
-    )
+        return SimResult(
+            allocated_peak=sim.allocated_peak,
+            reserved_peak=sim.reserved_peak,
+            allocated_peak_index=sim.allocated_peak_index,
+            reserved_peak_index=sim.reserved_peak_index,
+            oom=oom,
+            timeline=Folded(runs + [(timeline, 1)]) if runs else tuple(timeline),
+            live_rounded_peak=peak[1],
+            live_rounded_peak_index=peak[2],
+            final_allocated=sim.allocated,
+            final_reserved=sim.reserved,
+            num_alloc_retries=sim.num_alloc_retries,
+            num_device_alloc=sim.num_device_alloc,
+            num_device_free=sim.num_device_free,
+        )
 
 
 def min_fitting_capacity(

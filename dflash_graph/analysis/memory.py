@@ -64,7 +64,7 @@ from ..ops import registry
 from ..ops.costs import NodeCost, program_peak
 from ..units import DTYPE_BYTES, fmt_bytes
 from . import curve_tree
-from .allocator import AllocatorConfig, Event, Folded, Repeat, expand_events, round_size, simulate
+from .allocator import AllocatorConfig, Event, Folded, Repeat, expand_events, round_size, simulate_pair
 from .infer import Typed
 from .launch import nccl_outside_bytes, replicas
 from .nodecost import grad_nodes, grad_seed, hook_refs, node_cost
@@ -802,9 +802,9 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
         if dev.torch.startswith("cuda"):
             # The verdict replays the sequence against the usable capacity; the peaks come from that replay when
             # the device fits, and from an unbounded replay when it does not (what the schedule would need).
-            sim = simulate(events, usable, allocator)
-            if sim.oom is not None:
-                sim = attrs.evolve(simulate(events, None, allocator), oom=sim.oom)
+            sim, need = simulate_pair(events, usable, allocator)
+            if need is not None:
+                sim = attrs.evolve(need, oom=sim.oom)
         else:
             sim = _no_cache(events, usable)   # CPU tensors come from the system allocator: nothing is cached
         # live (unrounded) bytes and each node's own peak
