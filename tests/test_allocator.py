@@ -17,9 +17,13 @@ from dflash_graph.analysis.allocator import (
     allocation_size,
     min_fitting_capacity,
     pool_of,
+    Repeat,
     round_size,
     simulate,
+    simulate_pair,
 )
+from dflash_graph.analysis import allocator
+from test_layer_folding import CONFIGS, _same, repeated_events
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -527,3 +531,74 @@ def test_invariants_hold_for_random_traces(ops, cfg, cap):
         assert enough.oom is None and enough.timeline == unlimited.timeline
         if r.oom is not None:
             assert cap < unlimited.reserved_peak
+
+
+# ---------------------------------------------------------------- forked replay (NOTE [Forked replay])
+
+
+def _pair_is_two_replays(events, cap, cfg) -> None:
+    bounded, need = simulate_pair(events, cap, cfg)
+    _same(bounded, simulate(events, cap, cfg))
+    if bounded.oom is None:
+        assert need is None
+    else:
+        _same(need, simulate(events, None, cfg))
+
+
+def test_forked_replay_goes_on_from_the_event_that_pressed():
+    # 100 MiB: three 30 MiB segments, one freed; the 40 MiB request presses (130 MiB), the cached 30 MiB segment
+    # is released; the next 30 MiB request does not fit: OOM. The unbounded replay goes on from a copy taken
+    # before the 40 MiB request, the event that pressed (index 4).
+    events = [A(0, 30 * MiB), A(1, 30 * MiB), A(2, 30 * MiB), F(1), A(3, 40 * MiB), A(4, 30 * MiB), F(0), F(4)]
+    replay = allocator._Replay(events, CachingAllocatorSim(100 * MiB))
+    assert replay.run(fork=True).oom.index == 5
+    assert replay.forked.at == (4, 0, 0, 4)
+    assert replay.forked.sim.capacity is None and replay.forked.timeline == [
+        (30 * MiB, 30 * MiB), (60 * MiB, 60 * MiB), (90 * MiB, 90 * MiB), (60 * MiB, 90 * MiB)]
+    _pair_is_two_replays(events, 100 * MiB, DEFAULT)
+    # inside a Repeat: two 20 MiB tensors a repetition; at 70 MiB the second of the first repetition presses
+    rep = [A(0, 20 * MiB), A(1, 20 * MiB), Repeat(2, 5, 2, 0, lambda k, i: f"rep {k}.{i}")]
+    replay = allocator._Replay(rep, CachingAllocatorSim(70 * MiB))
+    assert replay.run(fork=True).oom.label == "rep 1.1"
+    assert replay.forked.at == (2, 1, 1, 3)
+    _pair_is_two_replays(rep, 70 * MiB, DEFAULT)
+    assert simulate_pair(rep, 70 * MiB)[1].reserved_peak == 12 * 20 * MiB
+    # ten 30 MiB weights, the last seven grown in closed form (made only when one is freed), then 100 MiB: it
+    # presses at 350 MiB, the bounded replay runs out there, and the copy frees every weight
+    weights = [A(0, 30 * MiB), Repeat(1, 9, 1, 0, lambda k, i: f"w{k}"), A(10, 100 * MiB), F(10),
+               *[F(t) for t in range(10)]]
+    replay = allocator._Replay(weights, CachingAllocatorSim(350 * MiB))
+    assert replay.run(fork=True).oom.index == 10
+    assert replay.forked.at == (2, 0, 0, 10) and replay.forked.lazy
+    _pair_is_two_replays(weights, 350 * MiB, DEFAULT)
+    # never forked where the capacity changes the allocator before it presses: garbage collection, expandable
+    # segments (the pair is then two replays from scratch)
+    for cfg in (AllocatorConfig(garbage_collection_threshold=0.5), EXPANDABLE):
+        replay = allocator._Replay(events, CachingAllocatorSim(100 * MiB, cfg))
+        assert replay.run(fork=True).oom is not None and replay.forked is None
+        _pair_is_two_replays(events, 100 * MiB, cfg)
+
+
+def _pressed(events, cfg, share: float) -> int:
+    """A capacity `share` of what the events need unbounded, so that most draws press it (or run out)."""
+    return max(1, int(share * simulate(events, None, cfg).reserved_peak))
+
+
+_shares = st.floats(0.3, 1.1)
+
+
+@settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_ops, cfg=_configs, share=_shares)
+def test_forked_replay_is_two_replays_from_scratch(ops, cfg, share):
+    """simulate_pair == simulate against the capacity and, on an OOM, without one: every field, the timeline event
+    for event, on random alloc/free/empty_cache traces and capacities."""
+    events = _events(ops)
+    _pair_is_two_replays(events, _pressed(events, cfg, share), cfg)
+
+
+@settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(events=repeated_events(), cfg=st.sampled_from(CONFIGS), share=_shares)
+def test_forked_replay_of_folded_events_is_two_replays_from_scratch(events, cfg, share):
+    """The same on event lists with a Repeat marker (NOTE [Folded replay]): a fork taken inside a repetition goes
+    on from the event that pressed."""
+    _pair_is_two_replays(events, _pressed(events, cfg, share), cfg)
