@@ -365,7 +365,8 @@ class _Segment:
 class _Block:
     """CCA.cpp `struct Block`: a contiguous slice of a segment."""
 
-    __slots__ = ("size", "addr", "pool", "seg", "allocated", "mapped", "prev", "next", "gc_base", "requested")
+    __slots__ = ("size", "addr", "pool", "seg", "allocated", "mapped", "prev", "next", "gc_base", "requested",
+                 "tensor")
 
     def __init__(self, size: int, addr: int, pool: "_Pool", seg: _Segment, mapped: bool = True):
         self.size = size
@@ -378,6 +379,7 @@ class _Block:
         self.next: _Block | None = None
         self.gc_base = 0
         self.requested = 0
+        self.tensor = -1    # while allocated in a replay (simulate): the tensor it holds
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -492,7 +494,7 @@ class CachingAllocatorSim:
         blocks: dict[int, _Block] = {}
         for b in olds:                     # every block of every segment: allocated, cached free or unmapped
             c = _Block(b.size, b.addr, pools[id(b.pool)], b.seg, b.mapped)   # (segments never change)
-            c.allocated, c.gc_base, c.requested = b.allocated, b.gc_base, b.requested
+            c.allocated, c.gc_base, c.requested, c.tensor = b.allocated, b.gc_base, b.requested, b.tensor
             blocks[id(b)] = c
         for b in olds:
             c = blocks[id(b)]
@@ -578,7 +580,13 @@ class CachingAllocatorSim:
                     largest_free_block_bytes=self.largest_free_block(),
                 )
             )
-        return self._alloc_found_block(block, size, orig_size, self._should_split(block, size))
+        # NOTE: CCA.cpp `should_split` (see _should_split), inline: it is asked on every allocation.
+        remaining = block.size - size
+        if block.pool.is_small or cfg.expandable_segments:
+            split = remaining >= K_MIN_BLOCK_SIZE
+        else:
+            split = size < self._max_split and remaining > K_SMALL_SIZE
+        return self._alloc_found_block(block, size, orig_size, split)
 
     def _should_split(self, block: _Block, size: int) -> bool:
         # NOTE: CCA.cpp `should_split`: small pool or expandable segments ->
@@ -595,9 +603,9 @@ class CachingAllocatorSim:
         if split:
             rest = block
             block = _Block(size, rest.addr, rest.pool, rest.seg)
-            block.prev = rest.prev
-            if block.prev is not None:
-                block.prev.next = block
+            prev = block.prev = rest.prev
+            if prev is not None:
+                prev.next = block
             block.next = rest
             rest.prev = block
             rest.addr += size
@@ -606,7 +614,11 @@ class CachingAllocatorSim:
         block.allocated = True
         block.requested = orig_size
         self.active[block.addr] = block
-        self._add_allocated(block.size)
+        # (_add_allocated, inline)
+        self.allocated += block.size
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
+            self.allocated_peak_index = self.step
         return block
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
@@ -618,7 +630,8 @@ class CachingAllocatorSim:
         i = bisect.bisect_left(free, (size, -1))
         if i == len(free):
             return None
-        b = pool.free_by_addr[free[i][1]]
+        by_addr = pool.free_by_addr
+        b = by_addr[free[i][1]]
         if b.seg.expandable:
             # NOTE: CCA.cpp `get_free_block`: for expandable blocks compare the
             # size they could grow to (block + following unmapped range) and
@@ -628,9 +641,10 @@ class CachingAllocatorSim:
 
             j = i + 1
             while b.seg.expandable and j < len(free):
-                nb = pool.free_by_addr[free[j][1]]
+                nb = by_addr[free[j][1]]
                 if exp_size(nb) < exp_size(b):
                     b = nb
+                    i = j
                     j += 1
                 else:
                     break
@@ -642,7 +656,8 @@ class CachingAllocatorSim:
             return None
         if size >= ms and b.size >= size + self.config.max_non_split_rounding_bytes:
             return None
-        pool.remove_free(b)
+        del free[i]             # (pool.remove_free(b), the index known)
+        del by_addr[b.addr]
         return b
 
     def _alloc_block(self, pool: _Pool, size: int, alloc_size: int) -> _Block | None:
@@ -783,8 +798,12 @@ class CachingAllocatorSim:
         block.allocated = False
         self.allocated -= block.size
         # NOTE: CCA.cpp `free_block`: merge with free neighbours, then cache.
-        self._try_merge(block, block.prev)
-        self._try_merge(block, block.next)
+        # (_try_merge is called only for a neighbour that is there and free)
+        prev, nxt = block.prev, block.next
+        if prev is not None and not prev.allocated:
+            self._try_merge(block, prev)
+        if nxt is not None and not nxt.allocated:
+            self._try_merge(block, nxt)
         block.pool.insert_free(block)
 
     def _try_merge(self, dst: _Block, src: _Block | None) -> int:
@@ -1160,7 +1179,6 @@ class _Replay:
         self.events = events
         self.sim = sim
         self.live: dict[int, tuple[_Block | None, int, int]] = {}     # tensor -> block, size, rounded size
-        self.owner: dict[int, int] = {}                               # id(block) -> tensor
         self.peak = [0, 0, -1]           # live rounded bytes, their peak, its index
         self.timeline: list[tuple[int, int]] = []
         self.runs: list[tuple[Sequence, int]] = []                    # folded parts of the timeline
@@ -1176,7 +1194,6 @@ class _Replay:
         sim, blocks = self.sim.copy(None)
         new = _Replay(self.events, sim)
         new.live = {t: (None if b is None else blocks[id(b)], s, r) for t, (b, s, r) in self.live.items()}
-        new.owner = {id(blocks[b]): t for b, t in self.owner.items()}
         new.peak = list(self.peak)
         new.timeline = list(self.timeline)
         new.runs = list(self.runs)         # (their parts are never changed once made)
@@ -1192,7 +1209,7 @@ class _Replay:
         sim = self.sim
         capacity_bytes = sim.capacity
         divisions = sim.config.roundup_power2_divisions
-        live, owner, peak = self.live, self.owner, self.peak
+        live, peak = self.live, self.peak
         timeline, runs, lazy, rounded = self.timeline, self.runs, self.lazy, self.rounded
         append = timeline.append
         malloc, free = sim.malloc, sim.free
@@ -1204,9 +1221,9 @@ class _Replay:
             if op == "alloc":
                 if tensor in live:
                     raise ValueError(f"event {i}: tensor {tensor} allocated twice without a free")
-                if size < 0:
-                    raise ValueError(f"event {i}: negative size {size}")
-                if size == 0:
+                if size <= 0:
+                    if size < 0:
+                        raise ValueError(f"event {i}: negative size {size}")
                     # NOTE: CCA.cpp `NativeCachingAllocator::allocate`: size-0
                     # requests return a null DataPtr and never reach malloc.
                     live[tensor] = (None, 0, 0)
@@ -1220,7 +1237,7 @@ class _Replay:
                     if r is None:
                         r = rounded[size] = round_size(size, divisions)
                     live[tensor] = (blk, size, r)
-                    owner[id(blk)] = tensor
+                    blk.tensor = tensor
                     if touched is not None:
                         touched[id(blk.seg)] = blk
                         if blk.seg.expandable:   # the span it changed: the block and the rest of the free block it split
@@ -1232,13 +1249,15 @@ class _Replay:
                         peak[1] = peak[0]
                         peak[2] = i
             elif op == "free":
-                if tensor not in live and not (lazy and made(tensor)):
-                    raise ValueError(f"event {i}: free of unknown tensor {tensor}")
-                blk, have, r = live.pop(tensor)
+                entry = live.pop(tensor, None)
+                if entry is None:
+                    if not (lazy and made(tensor)):
+                        raise ValueError(f"event {i}: free of unknown tensor {tensor}")
+                    entry = live.pop(tensor)
+                blk, have, r = entry
                 if size != 0 and size != have:
                     raise ValueError(f"event {i}: free size {size} != allocated size {have} for tensor {tensor}")
                 if blk is not None:
-                    del owner[id(blk)]
                     free(blk)
                     if touched is not None:
                         touched[id(blk.seg)] = blk     # (free merges its free neighbours into blk: blk lives on)
@@ -1277,7 +1296,7 @@ class _Replay:
                 while b is not None and (span is None or b.addr < span[1]):
                     if b.next is not None and b.next.prev is not b:
                         return None
-                    t = owner.get(id(b)) if b.allocated else None
+                    t = b.tensor if b.allocated else None
                     row.append((b.addr, b.size, b.allocated, b.mapped,
                                 None if t is None else (0, t - base) if t >= cut else (1, t)))
                     b = b.next
@@ -1306,8 +1325,8 @@ class _Replay:
                 row = []
                 b: _Block | None = head
                 while b is not None:
-                    t = owner.get(id(b))
-                    if not b.allocated or not b.mapped or t is None or t < base:
+                    t = b.tensor
+                    if not b.allocated or not b.mapped or t < base:
                         return None
                     row.append((b.addr - seg.base, b.size, b.requested, t - base))
                     b = b.next
@@ -1369,7 +1388,7 @@ class _Replay:
                             sim.active[b.addr] = b
                             t = first + j * stride + rel
                             live[t] = (b, requested, round_size(requested, divisions))
-                            owner[id(b)] = t
+                            b.tensor = t
                     return True
             return False
 
@@ -1455,7 +1474,7 @@ class _Replay:
                     for t, entry in moved.items():
                         live[t] = entry
                         if entry[0] is not None:
-                            owner[id(entry[0])] = t
+                            entry[0].tensor = t
                     x += skip * ev.length
                     k += skip
                     states = [None]        # the rest (fewer than c) one by one
