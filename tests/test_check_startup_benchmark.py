@@ -15,4 +15,7 @@ def test_check_startup_benchmark_runs_the_real_command(capsys):
     printed = capsys.readouterr().out
     assert [r["label"] for r in rows] == ["python -c pass", 'python -c "import sympy"', "check graphs/tiny.toml"]
     assert rows[-1]["rc"] == [0] and rows[-1]["cpu_min"] > 0      # it ran the command, and the command passed
+    assert rows[-1]["checked_min"] > 0 and rows[0]["checked_min"] is None     # what check printed: "checked in X s"
+    assert bench.commands(["a.toml", "--no-rewrite", "--set", "k=v.toml", "b.toml"]) == [
+        ["a.toml", "--no-rewrite", "--set", "k=v.toml"], ["b.toml"]]
     assert "| check graphs/tiny.toml" in printed and "load average" in printed
