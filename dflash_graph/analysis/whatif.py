@@ -31,7 +31,7 @@ from ..errors import GraphError, Location, Problem, did_you_mean
 from ..ir.dims import symbol
 from ..ir.graph import Graph
 from .infer import Typed, build, infer
-from .allocator import AllocatorConfig, simulate
+from .allocator import AllocatorConfig, simulate_pair
 from .memory import (HostMemory, MemoryReport, Oom, _signature, analyze_memory, device_events, events_peak,
                      folded_events, host_memory_bytes, is_cpu, usable_bytes)
 
@@ -165,8 +165,8 @@ def _replay(typed: Typed, devices: Sequence[str], alloc: AllocatorConfig) -> _Re
             events, _ = folded_events(typed, dev)      # layers folded (NOTE [Folded replay])
             live = events_peak(events)
             if d.torch.startswith("cuda"):
-                sim = simulate(events, usable, alloc)
-                need = sim.reserved_peak if sim.oom is None else simulate(events, None, alloc).reserved_peak
+                sim, unbounded = simulate_pair(events, usable, alloc)    # (NOTE [Forked replay])
+                need = (sim if unbounded is None else unbounded).reserved_peak
                 seen[key] = (sim.oom is None, (need, live, usable))
             else:
                 seen[key] = (live <= usable, (live, live, usable))
