@@ -234,11 +234,20 @@ def _literal(key) -> str:
     return key
 
 
+_ENDS: dict[tuple, int] = {}     # _body_steps' arguments less the logits -> the frees its program ends with
+
+
 @functools.lru_cache(maxsize=256)
 def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hidden: bool,
                 logits_bytes: int, fold: bool = True) -> tuple:
     """The body forward's program; with `fold`, identical periods of layers as Repeat steps (NOTE [Layer
-    folding]); expand_program(fold=True's) == fold=False's."""
+    folding]); expand_program(fold=True's) == fold=False's. With logits (a causal LM's forward), the program
+    without them, their allocation put before the frees it ends with: one program written per body, whether
+    the graph as written reads its logits and the rewritten one does not."""
+    if logits_bytes:
+        base = _body_steps(d, seq, dtype_bytes, captured, has_hidden, 0, fold)
+        at = len(base) - _ENDS[(d, seq, dtype_bytes, captured, has_hidden, fold)]
+        return (*base[:at], ("alloc", "out:logits", logits_bytes), *base[at:])
     h = seq * d.hidden_size * dtype_bytes
     ev = d.body_events(seq, dtype_bytes)
     prologue, chunks, final = ev.prologue, ev.layers, ev.final
@@ -345,12 +354,12 @@ def _body_steps(d, seq: int, dtype_bytes: int, captured: frozenset[int], has_hid
             i += 1
     # the body ends with the final norm: its temporaries and the normed [seq, hidden] state
     replay(final, None, "norm.", None, steps)
-    if logits_bytes:
-        steps.append(("alloc", "out:logits", logits_bytes))
+    body = len(steps)       # (a causal LM's logits are allocated here: see the top)
     for key in list(alive.values()):
         steps.append(("free", key, 0))
     if prev is not None and not owned(prev):
         steps.append(("free", prev, 0))
+    _ENDS[(d, seq, dtype_bytes, captured, has_hidden, fold)] = len(steps) - body
     return tuple(st if st[0] == "repeat" else (st[0], _literal(st[1]), st[2]) for st in steps)
 
 
