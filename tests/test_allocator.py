@@ -14,10 +14,11 @@ from dflash_graph.analysis.allocator import (
     AllocatorOutOfMemory,
     CachingAllocatorSim,
     Event,
+    Folded,
+    Repeat,
     allocation_size,
     min_fitting_capacity,
     pool_of,
-    Repeat,
     round_size,
     simulate,
     simulate_pair,
@@ -571,6 +572,13 @@ def test_forked_replay_goes_on_from_the_event_that_pressed():
     assert replay.run(fork=True).oom.index == 10
     assert replay.forked.at == (2, 0, 0, 10) and replay.forked.lazy
     _pair_is_two_replays(weights, 350 * MiB, DEFAULT)
+    # 100,001 weights of 30 MiB, grown in closed form until 3,000 MiB presses, at the 100th: the copy folds the
+    # repetitions left again (it counts its tries at folding from where it starts), the 99,900 are not replayed
+    many = [A(0, 30 * MiB), Repeat(1, 100_000, 1, 0, lambda k, i: f"w{k}")]
+    bounded, need = simulate_pair(many, 3000 * MiB)
+    assert bounded.oom.index == 100 and need.reserved_peak == 100_001 * 30 * MiB
+    assert isinstance(need.timeline, Folded) and sum(len(run[0]) for run in need.timeline.runs) < 100
+    _pair_is_two_replays(many, 3000 * MiB, DEFAULT)
     # never forked where the capacity changes the allocator before it presses: garbage collection, expandable
     # segments (the pair is then two replays from scratch)
     for cfg in (AllocatorConfig(garbage_collection_threshold=0.5), EXPANDABLE):

@@ -1421,9 +1421,10 @@ class _Replay:
             grown: list = []            # per repetition that only allocates: how it grew the allocator (or None)
             where[0] = j
             k, r0 = (k0, r0) if j == j0 and k0 else (1, 0)    # a fork goes on inside its repetition
+            tries = k + MAX_FOLD_TRIES     # (counted from where this replay starts the marker: a fork too)
             while k <= ev.times:
                 shift = k * ev.stride
-                touched = {} if not sim._gc and k <= MAX_FOLD_TRIES and not r0 else None
+                touched = {} if not sim._gc and k < tries and not r0 else None
                 spans.clear()
                 starts.append(len(timeline))
                 before = (x, sim.allocated, sim.reserved, sim.num_device_alloc, sim.num_device_free,
