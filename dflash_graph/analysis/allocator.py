@@ -1165,9 +1165,10 @@ def simulate_pair(
 # allocator yet (get_free_block found no block and took none), so simulate_pair's bounded replay copies itself
 # there (_Replay.fork: every block, the tensors alive, the counters, the timeline so far, with capacity None)
 # and the copy starts at the event that pressed, inside a Repeat at the repetition and event it was at (the
-# bookkeeping that finds a cycle starts afresh there: folding only skips what replaying would do). The bounded
-# replay goes on to its OOM; the copy is run only when there is one. tests/test_allocator.py checks the pair
-# against two replays from scratch, event for event, on random event lists with and without Repeat markers.
+# bookkeeping that finds a cycle starts afresh there, its MAX_FOLD_TRIES counted from there: folding only skips
+# what replaying would do). The bounded replay goes on to its OOM; the copy is run only when there is one.
+# tests/test_allocator.py checks the pair against two replays from scratch, event for event, on random event
+# lists with and without Repeat markers.
 
 
 class _Replay:
