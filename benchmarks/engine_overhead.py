@@ -125,7 +125,7 @@ class HandStep:
             anchors = torch.zeros(A, dtype=torch.int64)
             anchors[: drawn.numel()] = drawn                                             # padding: masked by valid
             valid = slot_valid(mask, anchors, drawn.numel(), B, pos)                      # [A, B]
-            rows = torch.remainder(anchors[:, None] + self.offsets - 1, T)               # [A, B]
+            rows = torch.remainder((anchors[:, None] + self.offsets).clamp_max(T - 1) - 1, T)   # [A, B], in the row
             target_logits = self.lm_head(self.norm(last[rows]))                          # [A, B, V]
         hidden = self.drafter(features, ids, pos, anchors)                               # [A, B, H]
         logits = self.lm_head(self.norm(hidden))                                         # [A, B, V]
@@ -135,6 +135,7 @@ class HandStep:
         loss = (per_row * w).sum() / w.sum().clamp_min(1e-9)
         with torch.no_grad():
             hit = (logits.argmax(-1) == target_logits.argmax(-1)).float()
+            hit[:, 0] = 1.0                     # slot 0, the anchor: the verifier's own token (slot_acc[0] is 1)
             acc = (hit * valid.float()).sum(0) / valid.float().sum(0).clamp_min(1.0)
         return loss, acc
 

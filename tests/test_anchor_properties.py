@@ -1,6 +1,6 @@
 """Anchors as they should be, on random packings (Hypothesis): drawn per document at loss tokens whose next token
-is a loss token of the same document, blocks free to run past their document's end but not past the row, never
-overlapping within a document and never scoring a token twice, scored slots exactly the anchor's own run of loss
+is a loss token of the same document, blocks free to run past their document's end and past the row's end (their
+indices clamped to the row, where the rewritten verifier gather is exact), never overlapping within a document and never scoring a token twice, scored slots exactly the anchor's own run of loss
 tokens, every loss token after a loss token reached at slot 1 (the ends of documents included), and a drafter
 whose output and loss for an anchor do not move when anything it must not see (another document, the anchor's own
 future, another block) changes."""
@@ -32,9 +32,10 @@ from dflash_graph.train.metrics import coverage
 
 
 @st.composite
-def packings(draw, max_tokens: int = 160):
+def packings(draw, max_tokens: int = 160, row_end: bool = False):
     """(position_ids, loss_mask, block, count, seed): whole documents, then padding as its own document without
-    loss, as train/data.py packs them; loss masks dense (text), sparse or in spans (chat turns)."""
+    loss, as train/data.py packs them; loss masks dense (text), sparse or in spans (chat turns). `row_end`: no
+    padding, and the row's last tokens are loss tokens (a row filled to its end by an answer)."""
     lengths = draw(st.lists(st.integers(1, 48), min_size=1, max_size=8))
     total, kept = 0, []
     for n in lengths:
@@ -43,7 +44,7 @@ def packings(draw, max_tokens: int = 160):
         kept.append(n)
         total += n
     kept = kept or [min(lengths[0], max_tokens)]
-    pad = draw(st.integers(0, 12))
+    pad = 0 if row_end else draw(st.integers(0, 12))
     pos = torch.cat([torch.arange(n) for n in kept] + ([torch.arange(pad)] if pad else []))
     style = draw(st.sampled_from(["dense", "random", "spans"]))
     t = pos.numel()
@@ -60,6 +61,8 @@ def packings(draw, max_tokens: int = 160):
             mask[a: a + draw(st.integers(1, 30))] = True
     if pad:
         mask[t - pad:] = False
+    if row_end:
+        mask[t - draw(st.integers(1, 10)):] = True
     block = draw(st.integers(1, 8))
     count = draw(st.integers(0, 24))
     return pos, mask, block, count, seed
@@ -72,10 +75,11 @@ def _docs(pos):
 
 
 def _eligible(mask, pos, block):
-    """The anchor rule, spelled out per position: p and p+1 are loss tokens of one document, p + B <= T."""
+    """The anchor rule, spelled out per position: p and p+1 are loss tokens of one document (the block may run
+    past the document's end and past the row's)."""
     doc, _ = _docs(pos)
     t = pos.numel()
-    return {p for p in range(t - 1) if mask[p] and mask[p + 1] and doc[p + 1] == doc[p] and p + block <= t}
+    return {p for p in range(t - 1) if mask[p] and mask[p + 1] and doc[p + 1] == doc[p]}
 
 
 def _run(mask, doc, p, block):
@@ -88,7 +92,7 @@ def _run(mask, doc, p, block):
 
 @settings(max_examples=60)
 @given(packings())
-def test_anchors_are_loss_tokens_and_blocks_stay_in_the_row(p):
+def test_anchors_are_loss_tokens_and_block_indices_stay_in_the_row(p):
     pos, mask, block, count, seed = p
     doc, ends = _docs(pos)
     t = pos.numel()
@@ -99,14 +103,17 @@ def test_anchors_are_loss_tokens_and_blocks_stay_in_the_row(p):
     assert set(torch.nonzero(eligible_anchors(mask, pos, block)).view(-1).tolist()) == _eligible(mask, pos, block)
     for x in a:
         assert mask[x] and mask[x + 1] and doc[x + 1] == doc[x], "anchor and first draft: loss tokens, one document"
-        assert x + block <= t, "the block's indices stay in the row (the verifier gather is exact there)"
-    idx = block_positions(anchors, block)
+    raw = block_positions(anchors, block)
+    idx = block_positions(anchors, block, t)
+    assert bool(((idx >= 0) & (idx < t)).all()), "the graph's block indices stay in the row (the gathers are exact)"
+    assert torch.equal(idx[raw < t], raw[raw < t]), "clamped only past the row's end"
     for d in set(doc[anchors].tolist()):
-        mine = idx[doc[anchors] == d].reshape(-1).tolist()
+        mine = raw[doc[anchors] == d].reshape(-1).tolist()
         assert len(mine) == len(set(mine)), "blocks of one document never overlap"
     v = slot_valid(mask, anchors, len(a), block, pos)
     scored = idx[:, 1:][v[:, 1:]].tolist()
     assert len(scored) == len(set(scored)), "no token is scored twice in one draw"
+    assert not bool(v[raw >= t].any()), "a slot past the row's end is never scored"
     if a:
         assert bool((doc[idx][v] == doc[anchors][:, None].expand_as(idx)[v]).all()), "never scores another document"
 
@@ -149,9 +156,9 @@ def test_scored_slots_are_the_anchors_own_run_of_loss_tokens(p):
 @settings(max_examples=60)
 @given(packings())
 def test_reach_is_every_slot_an_eligible_anchor_scores(p):
-    """slot_reach[t, k]: some eligible anchor p = t - k scores slot k; so a loss token whose predecessor is a
-    loss token of its document is reached at slot 1 unless the row ends within B - 1 tokens of it, the last
-    tokens of a document included (before issue 23 the last B - 2 never were)."""
+    """slot_reach[t, k]: some eligible anchor p = t - k scores slot k; so every loss token whose predecessor is a
+    loss token of its document is reached at slot 1, the last tokens of a document and of the row included
+    (before issue 23 a document's last B - 2 never were; until blocks could run past the row, its last B - 2)."""
     pos, mask, block, _, _ = p
     doc, ends = _docs(pos)
     t = pos.numel()
@@ -162,11 +169,13 @@ def test_reach_is_every_slot_an_eligible_anchor_scores(p):
     assert reach.tolist() == want
     if block >= 2:
         for x in range(1, t):
-            if mask[x] and mask[x - 1] and doc[x - 1] == doc[x] and x - 1 + block <= t:
+            if mask[x] and mask[x - 1] and doc[x - 1] == doc[x]:
                 assert reach[x, 1], x
-        last = [int(e) - 1 for e in torch.unique(ends) if mask[int(e) - 1] and mask[int(e) - 2] and int(e) >= 2
-                and doc[int(e) - 2] == doc[int(e) - 1] and int(e) - 2 + block <= t]
+        last = [int(e) - 1 for e in torch.unique(ends) if int(e) >= 2 and mask[int(e) - 1] and mask[int(e) - 2]
+                and doc[int(e) - 2] == doc[int(e) - 1]]
         assert all(reach[x, 1] for x in last), "a document's last loss token is drafted at slot 1"
+        if t >= 2 and mask[t - 1] and mask[t - 2] and doc[t - 2] == doc[t - 1]:
+            assert reach[t - 1, 1], "the row's last loss token is drafted at slot 1"
 
 
 def test_coverage_is_the_share_of_loss_tokens_per_slot():
@@ -309,6 +318,54 @@ def test_a_block_past_its_documents_end_never_reads_or_scores_the_next(one_threa
     ver3[x, (int(verifier[x].argmax()) + 1) % 40] = verifier[x].max() + 10   # slot 1's target (row p + 1 - 1), a
                                                                              # new argmax: scored, so it counts
     assert not torch.allclose(step(ctx, ids, ver3)[0], base)
+
+
+@settings(max_examples=40)
+@given(p=packings(row_end=True), seed=st.integers(0, 10_000), kind=st.sampled_from(["kl", "ce"]))
+def test_a_block_past_the_rows_end_reads_nothing_beyond_it(p, seed, kind):
+    """The graph's ops on a row whose last blocks run past its end (anchor_sample, block_positions with the row's
+    length, the verifier targets gathered as tiny.toml writes them and as gather_through_remap rewrites them):
+    every index is in [0, T), so the rewritten gather's range check passes and both read the same rows; no slot
+    past the end is scored; and what sits in those slots does not move the loss or its gradient."""
+    pos, mask, block, count, pseed = p
+    block = max(block, 2)
+    t = pos.numel()
+    c = SimpleNamespace(params={"count": max(count, 1), "block": block},
+                        generator=torch.Generator().manual_seed(pseed))
+    drawn = torch_impl.anchor_sample(c, mask, pos)["anchors"][: max(count, 1)]
+    elig = _eligible(mask, pos, block)
+    tail = {x for x in elig if x + block > t}                       # every block that runs past the row's end
+    assume(tail)
+    anchors = torch.tensor(sorted(tail | (set(drawn.tolist()) & elig)), dtype=torch.int64)
+    valid = slot_valid(mask, anchors, anchors.numel(), block, pos)
+    raw = anchors[:, None] + torch.arange(block)
+    past = raw >= t
+    ctx = lambda **kw: SimpleNamespace(params=kw)                   # noqa: E731
+    idx = torch_impl.block_positions(ctx(block=block, seq=t), anchors)["index"]
+    assert bool(((idx >= 0) & (idx < t)).all()) and torch.equal(idx[~past], raw[~past])
+    assert not bool(valid[past].any()), "a slot past the row's end is never scored"
+    g = torch.Generator().manual_seed(seed)
+    verifier = torch.randn(t, 24, dtype=torch.float64, generator=g)
+    as_written = torch_impl.gather(ctx(axis=0), torch_impl.roll(ctx(shift=1, axis=0), verifier)["out"], idx)["out"]
+    shifted = torch_impl.index_shift(ctx(shift=t - 1, modulo=t, check_range=True), idx)["out"]
+    rewritten = torch_impl.gather(ctx(axis=0), verifier, shifted)["out"]
+    assert torch.equal(as_written, rewritten)
+    logits = torch.randn(anchors.numel(), block, 24, dtype=torch.float64, generator=g, requires_grad=True)
+    lc = SimpleNamespace(params={"kind": kind, "gamma": 7.0})
+
+    def step(target):
+        logits.grad = None
+        loss = torch_impl.loss(lc, logits, target, valid)["loss"]
+        loss.backward()
+        return loss.detach(), logits.grad.clone()
+
+    base, grad = step(as_written)
+    other = as_written.clone()
+    other[past] = 100 * torch.randn(int(past.sum()), 24, dtype=torch.float64, generator=g)
+    got, grad2 = step(other)
+    torch.testing.assert_close(got, base, rtol=0, atol=0)
+    torch.testing.assert_close(grad2, grad, rtol=0, atol=0)
+    assert not bool(grad[past].any()), "no gradient reaches a slot past the row's end"
 
 
 def test_acceptance_counts_follow_greedy_verification():

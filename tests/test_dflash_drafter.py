@@ -160,6 +160,8 @@ def test_block_token_ids_and_positions():
         [7, 8, 9, 10],
         [15, 16, 17, 18],
     ]
+    # the graph's indices are clamped to a row of 17 tokens: the last block's slots past its end read token 16
+    assert block_positions(anchors, 4, 17).tolist()[2] == [15, 16, 16, 16]
 
 
 def test_sample_anchors_rules():
@@ -170,9 +172,8 @@ def test_sample_anchors_rules():
     loss_mask = torch.rand(t, generator=torch.Generator().manual_seed(1)) > 0.3
     doc = document_ids(pos)
     # p is a loss token (decoding's anchor is a token the target produced) and drafts p+1 first: a loss token
-    # of p's document; the block must fit in the row, and may run past p's document's end
-    eligible = {p for p in range(t - 1) if loss_mask[p] and loss_mask[p + 1] and doc[p + 1] == doc[p]
-                and p + block <= t}
+    # of p's document; the block may run past p's document's end and past the row's
+    eligible = {p for p in range(t - 1) if loss_mask[p] and loss_mask[p + 1] and doc[p + 1] == doc[p]}
     g = torch.Generator().manual_seed(0)
     seen = set()
     for _ in range(200):

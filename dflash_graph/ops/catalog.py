@@ -156,15 +156,15 @@ declare(OpDef(
     name="anchor_sample",
     doc="Draw up to `count` anchors, sorted: per document (each gets its proportional share), on a grid of "
         "stride `block` with a random phase (a document's blocks never overlap), at loss tokens whose next token "
-        "is a loss token of their document and whose block fits in the row; a block may run past its "
-        "document's end (docs/drafter.md). `valid[a, k]`: slot k of anchor a is scored (a real anchor, and "
-        "tokens anchor+1 .. anchor+k are loss tokens of its document).",
+        "is a loss token of their document; a block may run past its document's end and past the row's end "
+        "(docs/drafter.md). `valid[a, k]`: slot k of anchor a is scored (a real anchor, and tokens "
+        "anchor+1 .. anchor+k are loss tokens of its document).",
     inputs=(Port("loss_mask", "seq", "bool"), Port("position_ids", "seq", "int64")),
     outputs=(Port("anchors", "anchors", "int64"), Port("valid", "anchors block", "bool", optional=True)),
     params=(Param("count", "dim", "Anchors per sequence (max_anchors).", default="anchors"),
             Param("block", "dim", "Block size.", default="block")),
     bind=lambda c: {"anchors": c.params["count"], "block": c.params["block"]},
-    requires=(AtMost("block", "seq", "a block of block tokens starts at each anchor and must fit in the sequence"),),
+    requires=(AtMost("block", "seq", "a block of block tokens starts at each anchor and is at most one sequence long"),),
     traits=Traits(pure=True, deterministic=False),   # draws from the run's generator: a copy samples others
     cost=costs.no_workspace,
     impl=f"{IMPL}:anchor_sample",
@@ -172,10 +172,13 @@ declare(OpDef(
 
 declare(OpDef(
     name="block_positions",
-    doc="The packed positions of each anchor's block: anchor + arange(block).",
+    doc="The packed positions of each anchor's block: anchor + arange(block), clamped to seq - 1 (a block may "
+        "run past the row's end; its slots there are not scored, and every index stays in the row, where the "
+        "gathers it feeds are exact).",
     inputs=(Port("anchors", "*a", "int64"),),
     outputs=(Port("index", "*a block", "int64"),),
-    params=(Param("block", "dim", "Block size.", default="block"),),
+    params=(Param("block", "dim", "Block size.", default="block"),
+            Param("seq", "dim", "Tokens per packed sequence: the indices are clamped below it.", default="seq")),
     bind=lambda c: {"block": c.params["block"]},
     cost=costs.no_workspace,
     impl=f"{IMPL}:block_positions",

@@ -495,32 +495,52 @@ def block_chunk(chunk: int, block: int, weighting: str) -> int:
 LOSS_CHUNK_BUFFERS = {"ce": (1, 2), "kl": (5, 5), "rkl": (5, 5), "jsd": (6, 6), "tv": (5, 5)}
 
 
+def fused_chunk(chunk: int, anchors: int, block: int, hidden: int, vocab: int, kind: str) -> int:
+    """Rows per chunk of fused_head_loss: whole blocks' slots 1..B-1 (slot 0 is never made: NOTE [Slot 0 is never
+    scored] in ops/torch_impl.py). The `chunk` param, else head_chunk over the A (B - 1) rows, capped at them and
+    rounded down to whole blocks of B - 1 rows, at least one (D-PACE weighs a slot by its whole block; the other
+    objectives take the same chunks). 0 when B is 1: nothing is scored."""
+    n = block - 1
+    if n <= 0 or anchors <= 0:
+        return 0
+    rows = anchors * n
+    c = min(chunk or head_chunk(rows, hidden, vocab, kind), rows)
+    return max(n, c - c % n)
+
+
 def fused_head_loss(c: CostContext) -> NodeCost:
-    # ops/torch_impl.head_loss_chunks, in allocation order: the per-row losses and hits ([rows]), the gradient
-    # with respect to x when autograd records the node ([rows, hidden] in x's dtype, made in forward, kept for
-    # backward: saved_bytes), then per chunk the drafter's and the verifier's [chunk, vocab] logits in the model
-    # dtype (F.linear, as lm_head makes them) and _chunk_loss's buffers; all freed before the next chunk. Backward
-    # only scales the kept gradient into the input's gradient (counted by the analysis). Nothing [rows, vocab]
-    # exists. FLOPs, forward only as for every op: the two heads' GEMMs (2*rows*hidden*vocab each) and the loss's
+    # ops/torch_impl.head_loss_chunks, in allocation order, over slots 1..B-1 of each block only (slot 0, the
+    # anchor, is never scored and never made: NOTE [Slot 0 is never scored]): the per-row losses and hits and the
+    # slots' weights and mask ([A, B-1]), the gradient with respect to x when autograd records the node
+    # ([A, B, hidden] in x's dtype, made in forward, kept for backward: saved_bytes), then per chunk (fused_chunk
+    # rows, whole blocks) the rows both heads read ([heads * chunk, hidden], one copy), the drafter's and the
+    # verifier's [chunk, vocab] logits in the model dtype (F.linear, as lm_head makes them) and _chunk_loss's
+    # buffers; all freed before the next chunk; then the losses, hits (and D-PACE's weights) in the [A, B] layout
+    # the loss op sums in. Backward only scales
+    # the kept gradient into the input's gradient (counted by the analysis). Nothing [rows, vocab] exists.
+    # FLOPs, forward only as for every op: the two heads' GEMMs (2 * A (B-1) * hidden * vocab each) and the loss's
     # ~12 per logit (the gradient's GEMM, made here in forward, is the one the unfused graph makes in backward).
     # A trainable W (not in the DFlash graphs: the drafter's head is the target's, frozen) adds its [vocab, hidden]
     # gradient accumulator in at least fp32, which this formula does not count.
     x = c.inputs["x"]
     h = x.sizes[-1]
-    rows = x.numel // h
+    b = x.sizes[-2]
+    a = x.numel // (h * b)
     v = c.model_dims.vocab_size
     obj = resolve_objective(c.node.params)      # the node's choices, with its preset's values
     kind = obj["kind"]
-    chunk = int(c.node.params.get("chunk") or 0) or head_chunk(rows, h, v, kind)
-    chunk = min(block_chunk(min(chunk, rows), x.sizes[-2], obj["weighting"]), rows)
+    chunk = fused_chunk(int(c.node.params.get("chunk") or 0), a, b, h, v, kind)
+    rows = a * (b - 1)
     cd = max(c.dtype_bytes, 4)
     same, upcast = LOSS_CHUNK_BUFFERS[kind]
     n = same if c.dtype_bytes >= 4 else upcast
     heads = 1 if "labels" in c.inputs else 2     # labels = 'data': the drafter's head only, no verifier rows
-    logits = heads * chunk * v * c.dtype_bytes
-    per_row = rows * cd + rows          # losses and hits
+    logits = heads * chunk * (v + h) * c.dtype_bytes
+    per_row = rows * (cd + 1) + rows * (4 + 1)   # losses and hits; the slots' weights (fp32) and mask
+    full = a * b * (cd + 1) + (a * b * 4 if obj["weighting"] == "dpace" else 0)   # [A, B] losses, hits, weights
     program = (("alloc", "rows", per_row), ("alloc", "chunk", logits + n * chunk * v * cd), ("free", "chunk", 0),
-               *(("alloc", f"out:{k}", t.nbytes) for k, t in c.outputs.items()), ("free", "rows", 0))
+               ("alloc", "full", full), *(("alloc", f"out:{k}", t.nbytes) for k, t in c.outputs.items()),
+               ("free", "rows", 0), ("free", "full", 0))
     gemm = 2 * rows * h * v
     return NodeCost(saved_bytes=x.nbytes if c.grad else 0, flops=heads * gemm + 12 * rows * v,
                     program=program)

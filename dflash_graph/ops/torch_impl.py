@@ -65,8 +65,9 @@ def anchor_sample(c, loss_mask, position_ids):
 
 
 def block_positions(c, anchors):
-    block = c.params["block"]
-    return {"index": anchors.unsqueeze(-1) + torch.arange(block, device=anchors.device)}
+    block, seq = c.params["block"], c.params["seq"]
+    # clamped to the row: a block may run past its end (NOTE [Blocks past a document's end]); those slots weigh 0
+    return {"index": (anchors.unsqueeze(-1) + torch.arange(block, device=anchors.device)).clamp_max_(seq - 1)}
 
 
 def gather(c, x, index):
@@ -234,12 +235,16 @@ def chunk_hits(s: Tensor, t: Tensor | None, y: Tensor | None = None) -> Tensor:
 
 
 def loss_metrics(hit: Tensor, valid: Tensor) -> dict[str, Tensor]:
-    """The loss op's metric outputs from the per-row hits [A, B] and the scored slots [A, B]: per-slot accuracy and
-    the acceptance counts of greedy verification. The fused head + loss op (fused_head_loss) returns exactly
+    """The loss op's metric outputs from the per-row hits [A, B] and the scored slots [A, B]: per-slot accuracy
+    (slot 0's hit is not read: it is the anchor, 1 for every real anchor) and the acceptance counts of greedy
+    verification. The fused head + loss op (fused_head_loss) returns exactly
     these too: a new metric is added here, and declared on the loss op."""
     with torch.no_grad():
         valid = valid.to(torch.bool)
         vf = valid.float()
+        hit = hit.clone()
+        hit[:, 0] = True    # slot 0 is the anchor, the verifier's own token: accepted as it is, never drafted (NOTE
+        #                     [Slot 0 is never scored]); slot_acc[0] is 1 (0 when no anchor is real)
         acc = (hit.float() * vf).sum(0) / vf.sum(0).clamp_min(1.0)       # [B]
         accepted = acceptance_counts(hit, valid)
     return {"slot_acc": acc, "accepted": accepted}
@@ -309,6 +314,22 @@ def _ce_grad(ls: Tensor, y: Tensor) -> Tensor:
     return p.scatter_add_(-1, y[:, None], torch.full((p.shape[0], 1), -1.0, device=p.device, dtype=p.dtype))
 
 
+def _ce_rows(s: Tensor, y: Tensor, rows: Tensor, hit: Tensor) -> Tensor:
+    """ce on one chunk of drafter logits s [c, V] against the labels y [c]: the per-row losses into `rows` and
+    the hits (s's argmax is y) into `hit`, from one softmax p = softmax(s) (in at least fp32) and one max over s:
+    -log p[y] = log-sum-exp(s) - s[y], with log-sum-exp(s) = s[m] - log p[m] at the argmax m, where p[m] >= 1/V
+    never underflows. Returns p, [c, V], from which the gradient (p - onehot(y)) is made in place. torch's softmax
+    makes its one [c, V] buffer in a fraction of log_softmax's time on CPU, and the gradient then needs no exp
+    pass (benchmarks/README.md, "ce's softmax")."""
+    su = _up(s)
+    smax, m = su.max(-1)                        # the first maximal index, as argmax takes it (chunk_hits)
+    p = torch.softmax(su, dim=-1)
+    lse = smax - p.gather(-1, m[:, None]).squeeze(-1).log()
+    rows.copy_(lse - su.gather(-1, y[:, None]).squeeze(-1))
+    hit.copy_(m == y)
+    return p
+
+
 def _score_chunk(obj: Objective, block: int, s: Tensor, t: Tensor | None, y: Tensor | None, mask: Tensor,
                  w: Tensor, rows: Tensor, hit: Tensor, scale: Tensor | None) -> Tensor | None:
     """One chunk of the loss: its per-row losses and hits written into `rows` and `hit` (views of the whole); for
@@ -318,15 +339,14 @@ def _score_chunk(obj: Objective, block: int, s: Tensor, t: Tensor | None, y: Ten
     and makes one log-softmax, over the drafter's rows only. The loss op and the fused op both score here."""
     if obj.kind == "ce":
         y = t.argmax(-1) if y is None else y       # the verifier's argmax: no log-softmax over its rows
-        ls = F.log_softmax(_up(s), dim=-1)
-        rows.copy_(-ls.gather(-1, y[:, None]).squeeze(-1))
-        hit.copy_(chunk_hits(s, None, y))
+        p = _ce_rows(s, y, rows, hit)
         if obj.weighting == "dpace":
             w.mul_(dpace_weights(rows.view(-1, block), mask.view(-1, block).to(rows.dtype),
                                  obj.dpace_alpha).view(-1).to(w.dtype))
         if scale is None:
             return None
-        return _ce_grad(ls, y).mul_((w.to(rows.dtype) / scale.to(rows.dtype))[:, None])
+        return p.scatter_add_(-1, y[:, None], torch.full((p.shape[0], 1), -1.0, device=p.device, dtype=p.dtype)
+                              ).mul_((w.to(rows.dtype) / scale.to(rows.dtype))[:, None])
     rows.copy_(_chunk_loss(obj.kind, s, t))
     hit.copy_(chunk_hits(s, t))
     if scale is None:
@@ -386,50 +406,73 @@ class _ChunkedLoss(torch.autograd.Function):
 
 
 def head_loss_chunks(x: Tensor, tx: Tensor | None, y: Tensor | None, weight: Tensor, w: Tensor, mask: Tensor,
-                     obj: Objective, block: int, chunk: int, grad_x: bool, grad_w: bool):
-    """The loss of student logits x @ W.T against target logits tx @ W.T (or the labels y [R], when the
-    objective's labels are the data: no verifier head at all), `chunk` rows at a time, without ever holding more
-    than one chunk of either: x, tx [R, H], W [V, H], row weights w [R], scored slots mask [R]. Returns the
-    per-row losses [R], the per-row hits [R], when asked the gradient of the loss with respect to x ([R, H], in
-    x's dtype) and to W ([V, H], accumulated per chunk in at least fp32), and the denominator. Each chunk's logits
-    are made as lm_head makes them (F.linear in the weight's dtype), so values and rounding are the unfused
-    graph's."""
-    r = x.shape[0]
-    rows = torch.empty(r, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-    hit = torch.empty(r, dtype=torch.bool, device=x.device)
-    gx = torch.empty_like(x) if grad_x else None
+                     obj: Objective, chunk: int, grad_x: bool, grad_w: bool):
+    """The loss of student logits x @ W.T against target logits tx @ W.T (or the labels y [A, B], when the
+    objective's labels are the data: no verifier head at all), a few whole blocks at a time, without ever holding
+    more than one chunk of either: x, tx [A, B, H], W [V, H], row weights w [A, B], scored slots mask [A, B].
+
+    NOTE [Slot 0 is never scored]: slot 0 of a block is its anchor, whose token the drafter is given; its weight
+    is 0 under every objective (`scored_slots`) and no metric reads its hit (`loss_metrics`), so its rows are not
+    made at all: each chunk is `chunk // (B - 1)` blocks' slots 1..B-1 (at least one block), and slot 0's losses
+    and gradients are 0. That is 1/B of the three vocabulary products (the two heads and the gradient) saved.
+
+    Returns the per-row losses [A, B] and hits [A, B] (slot 0: 0 and False), the row weights [A, B] (with D-PACE's
+    factors), when asked the gradient of the loss with respect to x ([A, B, H], in x's dtype) and to W ([V, H], accumulated per chunk in at
+    least fp32), and the denominator. Each chunk's logits are made as lm_head makes them (F.linear in the weight's
+    dtype), so values and rounding are the unfused graph's."""
+    a, b, h = x.shape
+    n = b - 1                                   # scored-able slots per block: 1 .. B-1
+    nb = max(1, chunk // max(n, 1))             # whole blocks per chunk
+    ws = w[:, 1:].contiguous()                  # [A, B-1]: D-PACE fills in its factors here
+    ms = mask[:, 1:].contiguous()
+    ys = None if y is None else y[:, 1:].contiguous()
+    rows = torch.zeros(a, n, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    hit = torch.zeros(a, n, dtype=torch.bool, device=x.device)
+    gx = torch.zeros_like(x) if grad_x else None
     gw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                      device=weight.device) if grad_w else None
     scale, late = _scales(w, mask, obj, grad_x or grad_w)
     with torch.no_grad():
-        for i in range(0, r, chunk):
-            j = slice(i, i + chunk)
-            xi = x[j]
-            c = xi.shape[0]
+        for i in range(0, a if n else 0, nb):
+            j = slice(i, i + nb)
+            c = x[j].shape[0] * n               # rows in this chunk
             if tx is None:
-                st = F.linear(xi, weight)               # [c, V]: the drafter's logits only
+                xi = x[j, 1:].reshape(c, h)     # [c, H]: the drafter's rows only
+                st = F.linear(xi, weight)       # [c, V]
                 s, t = st, None
             else:
-                st = F.linear(torch.cat([xi, tx[j]]), weight)   # [2c, V]: one GEMM reads W once for both heads
-                s, t = st[:c], st[c:]                   # the drafter's logits for these rows, the verifier's
-            ds = _score_chunk(obj, block, s, t, None if y is None else y[j], mask[j], w[j], rows[j], hit[j], scale)
+                xt = torch.cat([x[j, 1:], tx[j, 1:]]).view(2 * c, h)   # both heads' rows, one GEMM reads W once
+                xi = xt[:c]
+                st = F.linear(xt, weight)       # [2c, V]
+                s, t = st[:c], st[c:]           # the drafter's logits for these rows, the verifier's
+            ds = _score_chunk(obj, n, s, t, None if ys is None else ys[j].reshape(c), ms[j].reshape(c),
+                              ws[j].view(c), rows[j].view(c), hit[j].view(c), scale)
             del t
             if ds is not None:
-                ds = ds.to(s.dtype)                     # as the loss op's backward hands it to lm_head's
+                ds = ds.to(s.dtype)             # as the loss op's backward hands it to lm_head's
                 del s, st
                 if gx is not None:
-                    torch.mm(ds, weight, out=gx[j])
+                    gx[j, 1:] = torch.mm(ds, weight).view(-1, n, h)
                 if gw is not None:
                     gw.addmm_(ds.t().to(gw.dtype), xi.to(gw.dtype))
                 del ds
             else:
                 del s, st
+            del xi
+        # the [A, B] layout the loss op sums in (slot 0: 0), so that the sums round as its do
+        rows_f = torch.zeros(a, b, dtype=rows.dtype, device=x.device)
+        rows_f[:, 1:] = rows
+        hit_f = torch.zeros(a, b, dtype=torch.bool, device=x.device)
+        hit_f[:, 1:] = hit
+        if obj.weighting == "dpace":            # ws holds the D-PACE factors; slot 0 weighs 0 in both
+            w = w.clone()
+            w[:, 1:] = ws
         denom = denominator(w, mask, obj.normalize)
         if late:
             for g_ in (gx, gw):
                 if g_ is not None:
                     g_.div_(denom.to(g_.dtype))
-    return rows, hit, gx, gw, denom
+    return rows_f, hit_f, w, gx, gw, denom
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -439,11 +482,11 @@ class _FusedHeadLoss(torch.autograd.Function):
     stored."""
 
     @staticmethod
-    def forward(ctx, x, tx, y, weight, w, mask, obj, block, chunk):
-        rows, hit, gx, gw, denom = head_loss_chunks(x, tx, y, weight, w, mask, obj, block, chunk,
-                                                    ctx.needs_input_grad[0], ctx.needs_input_grad[3])
+    def forward(ctx, x, tx, y, weight, w, mask, obj, chunk):
+        rows, hit, ws, gx, gw, denom = head_loss_chunks(x, tx, y, weight, w, mask, obj, chunk,
+                                                        ctx.needs_input_grad[0], ctx.needs_input_grad[3])
         ctx.save_for_backward(gx, gw)   # freed by autograd after backward (kept only under retain_graph)
-        total = weighted_total(rows, w, denom)
+        total = weighted_total(rows, ws, denom)
         ctx.mark_non_differentiable(hit)
         return total, hit
 
@@ -452,13 +495,13 @@ class _FusedHeadLoss(torch.autograd.Function):
         gx, gw = ctx.saved_tensors
         gx = None if gx is None else gx * g.to(gx.dtype)
         gw = None if gw is None else (gw * g).to(gw.dtype)
-        return gx, None, None, gw, None, None, None, None, None
+        return gx, None, None, gw, None, None, None, None
 
 
 def fused_head_loss(c, x, target_x=None, valid=None, labels=None):
     """The loss op on lm_head(x) and lm_head(target_x) (or the data's labels), with one shared W, never making a
     [rows, vocab] logits tensor (ops/catalog.py fused_head_loss; the rule fuse_heads_into_loss makes it)."""
-    from .costs import block_chunk, head_chunk
+    from .costs import fused_chunk
 
     head = c.module("lm_head")
     if head.bias is not None:
@@ -466,17 +509,14 @@ def fused_head_loss(c, x, target_x=None, valid=None, labels=None):
     weight = head.weight
     obj = objective(c.params)
     a, b, h = x.shape
-    chunk = int(c.params.get("chunk") or 0) or head_chunk(a * b, h, weight.shape[0], obj.kind)
-    chunk = block_chunk(min(chunk, a * b), b, obj.weighting)
+    chunk = fused_chunk(int(c.params.get("chunk") or 0), a, b, h, weight.shape[0], obj.kind)
     w = row_weights(b, obj.gamma, valid, obj.weighting)
     mask = scored_slots(valid)
-    x2 = x.reshape(a * b, h)
-    t2 = None if target_x is None else target_x.detach().reshape(a * b, h)
-    y = None if labels is None else labels.reshape(-1)
-    args = (w.reshape(-1), mask.reshape(-1), obj, b, chunk)
+    t = None if target_x is None else target_x.detach()
+    args = (w, mask, obj, chunk)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        total, hit = _FusedHeadLoss.apply(x2, t2, y, weight, *args)
+        total, hit = _FusedHeadLoss.apply(x, t, labels, weight, *args)
     else:
-        rows, hit, _, _, denom = head_loss_chunks(x2, t2, y, weight, *args, False, False)
-        total = weighted_total(rows.view(a, b), w, denom)
-    return {"loss": total, **loss_metrics(hit.view(a, b), valid)}
+        rows, hit, ws, _, _, denom = head_loss_chunks(x, t, labels, weight, *args, False, False)
+        total = weighted_total(rows, ws, denom)
+    return {"loss": total, **loss_metrics(hit, valid)}

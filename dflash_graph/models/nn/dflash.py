@@ -112,10 +112,10 @@ def eligible_anchors(loss_mask: Tensor, position_ids: Tensor, block_size: int) -
     """bool [T]: positions ``p`` that may anchor a block, before the grid and the draw.
 
     ``loss_mask[t]`` marks the tokens the drafter learns to predict (every token after a document's first for
-    text; the assistant's tokens for chat data). ``p`` qualifies when it is itself a loss token, the token it
-    drafts first, ``p + 1``, is a loss token of p's own document, and the block ``p .. p+B-1`` fits in the
-    packed row. The block may run past the end of p's document: the slots past it are not scored
-    (``slot_valid``) and see nothing of the next document (NOTE [Blocks past a document's end]).
+    text; the assistant's tokens for chat data). ``p`` qualifies when it is itself a loss token and the token it
+    drafts first, ``p + 1``, is a loss token of p's own document. The block ``p .. p+B-1`` may run past the end
+    of p's document and past the end of the packed row: the slots past either are not scored (``slot_valid``)
+    and see nothing of the next document nor anything beyond the row (NOTE [Blocks past a document's end]).
 
     The anchor is a loss token because decoding's anchor is always a token the target produced (the first
     token of an answer comes from the prefill forward, and each round's anchor is the last verified token):
@@ -129,9 +129,7 @@ def eligible_anchors(loss_mask: Tensor, position_ids: Tensor, block_size: int) -
             f"{tuple(position_ids.shape)} must be the same 1-D shape"
         )
     doc = document_ids(position_ids)
-    t = doc.numel()
-    idx = torch.arange(t, device=doc.device)
-    return loss_mask.to(torch.bool) & (_loss_runs(loss_mask, doc) >= 1) & (idx + block_size <= t)
+    return loss_mask.to(torch.bool) & (_loss_runs(loss_mask, doc) >= 1)
 
 
 def _rand(n: int, generator: torch.Generator | None, device) -> Tensor:
@@ -166,7 +164,7 @@ def sample_anchors(
     """Up to ``max_anchors`` anchor positions, sorted, int64 [A], drawn per document, never overlapping.
 
     1. Eligible positions: ``eligible_anchors`` (the anchor and the first token it drafts are loss tokens of
-       one document, and the block fits in the row; it may run past the document's end).
+       one document; the block may run past the document's end and past the row's).
     2. A grid per document: each document draws a phase ``o`` in ``[0, B)`` and keeps the eligible positions
        at ``o, o+B, o+2B, ...`` from its first token. Blocks on one grid tile the document, so no two blocks
        overlap (a last block past the document's end may overlap the next document's blocks only in slots that
@@ -254,10 +252,13 @@ def block_token_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_to
     return out
 
 
-def block_positions(anchors: Tensor, block_size: int) -> Tensor:
-    """[A, B] indices into the packed sequence: ``anchor + arange(B)``."""
+def block_positions(anchors: Tensor, block_size: int, seq: int | None = None) -> Tensor:
+    """[A, B] indices into the packed sequence: ``anchor + arange(B)``, clamped to ``seq - 1`` when the row's
+    length ``seq`` is given (a block's slots past the row's end read its last token, and weigh 0 there: NOTE
+    [Blocks past a document's end])."""
     anchors = _as_1d_long(anchors, "anchors")
-    return anchors[:, None] + torch.arange(block_size, device=anchors.device)[None, :]
+    idx = anchors[:, None] + torch.arange(block_size, device=anchors.device)[None, :]
+    return idx if seq is None else idx.clamp_max_(seq - 1)
 
 
 # NOTE [Blocks past a document's end]: a block is anchor + arange(B) in the packed row, and near the end of a
@@ -265,8 +266,12 @@ def block_positions(anchors: Tensor, block_size: int) -> Tensor:
 # its queries see context of the anchor's own document only (`_anchor_visibility`) and its own block, whose slots
 # 1.. hold the mask token; its RoPE positions are position_ids[anchor] + k, computed from the anchor alone; and
 # the slots past the end are not scored (`slot_valid`), so the verifier rows gathered there weigh 0 in the loss
-# and its metrics. Only the packed row's end bounds a block (`eligible_anchors`): a block's indices stay in
-# [0, T), where the gather of the verifier targets is exact (NOTE [In-range gathers]).
+# and its metrics. The packed row's end does not bound a block either (`eligible_anchors`), as in SpecForge
+# (`_sample_anchor_positions` takes any loss token before the row's last): the graph's block indices are clamped
+# to the row (`block_positions` with `seq`, the block_positions op), so a slot past the row's end gathers the
+# row's last token, the verifier's row before it and the features there, all at weight 0 and never read beyond
+# the row; every gathered index stays in [0, T), where the rewritten verifier gather is exact (NOTE [In-range
+# gathers]). The drafter itself reads a block's anchor only (its token, its position, its document).
 
 
 def _anchor_visibility(position_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
