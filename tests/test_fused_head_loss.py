@@ -145,6 +145,56 @@ def test_chunk_grad_is_the_derivative_of_chunk_loss(kind):
         _note(f"chunk_grad {kind}", got, want)
 
 
+@pytest.mark.parametrize("objective", ["speculators", "specforge", None])
+def test_slot_0_is_never_made(objective, monkeypatch):
+    """NOTE [Slot 0 is never scored]: the vocabulary products see slots 1..B-1 of each block only (F.linear is
+    called on (B-1)/B of the rows, in chunks of whole blocks), and the anchor rows of x and target_x (or the
+    labels) move nothing: loss, metrics, and a zero gradient at slot 0."""
+    a, b, h, v = 6, 5, 8, 50
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(v, h, generator=g, dtype=torch.float64)
+    x0 = torch.randn(a, b, h, generator=g, dtype=torch.float64)
+    tx = torch.randn(a, b, h, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, v, (a, b), generator=g)
+    valid = torch.ones(a, b, dtype=torch.bool)
+    valid[-1] = False
+    params = {"objective": objective, "chunk": 10} if objective else {"kind": "kl", "gamma": 3.0, "chunk": 10}
+    head = torch.nn.Linear(h, v, bias=False, dtype=torch.float64).requires_grad_(False)
+    head.weight.copy_(w0)
+    rows_seen = []
+    real = F.linear
+    monkeypatch.setattr(torch_impl.F, "linear", lambda x, w: rows_seen.append(x.shape[0]) or real(x, w))
+
+    def run(x, tx, labels):
+        x = x.clone().requires_grad_(True)
+        kw = {"labels": labels} if objective == "specforge" else {"target_x": tx}
+        out = torch_impl.fused_head_loss(ctx(params, head), x, valid=valid, **kw)
+        out["loss"].backward()
+        return out, x.grad
+
+    out, gx = run(x0, tx, labels)
+    heads = 1 if objective == "specforge" else 2
+    assert rows_seen == [heads * 2 * (b - 1)] * 3, rows_seen       # chunk 10 -> 2 blocks of 4 slots, 3 chunks
+    x2, tx2, labels2 = x0.clone(), tx.clone(), labels.clone()
+    x2[:, 0] += 100 * torch.randn(a, h, generator=g, dtype=torch.float64)
+    tx2[:, 0] -= 100 * torch.randn(a, h, generator=g, dtype=torch.float64)
+    labels2[:, 0] = (labels2[:, 0] + 1) % v
+    out2, gx2 = run(x2, tx2, labels2)
+    for k in out:
+        torch.testing.assert_close(out2[k], out[k], rtol=0, atol=0)
+    torch.testing.assert_close(gx2, gx, rtol=0, atol=0)
+    assert not gx[:, 0].any() and gx[:, 1:].abs().sum() > 0
+    assert out["slot_acc"][0] == 1.0, "slot 0 is the anchor: the verifier's own token"
+
+
+def test_fused_chunk_is_whole_blocks_of_scored_slots():
+    assert costs.fused_chunk(10, 6, 5, 8, 50, "kl") == 8          # rounded down to 2 blocks of 4 slots
+    assert costs.fused_chunk(3, 6, 5, 8, 50, "kl") == 4           # at least one block
+    assert costs.fused_chunk(1000, 6, 5, 8, 50, "kl") == 24       # at most all of them
+    assert costs.fused_chunk(0, 64, 16, 512, 32000, "ce") == 120  # head_chunk's 128 ce rows -> 8 blocks of 15
+    assert costs.fused_chunk(0, 6, 1, 8, 50, "ce") == 0           # block 1: nothing is ever scored
+
+
 def test_head_chunk_is_liger_rule():
     assert costs.head_chunk(8192, 5120, 248320) == 256          # cdiv(V, H) = 49, cdiv(8192, 49) = 168 -> 256
     assert costs.head_chunk(4096 * 4, 4096, 32000) == 2048      # Liger's own example (fused_linear_cross_entropy.py)

@@ -392,14 +392,16 @@ declare(OpDef(
     name="fused_head_loss",
     doc="The loss op on lm_head(x) (the drafter) and lm_head(target_x) (the verifier) with one shared W, computed "
         "`chunk` rows at a time: neither [anchors*block, vocab] logits tensor is ever made, in forward or backward. "
-        "ce against the verifier takes only its argmax (no log-softmax over its rows); labels = 'data' reads the "
+        "Slot 0 of each block (the anchor, never scored) is not made at all: a chunk is whole blocks' slots "
+        "1..block-1. ce against the verifier takes only its argmax (no log-softmax over its rows); labels = 'data' reads the "
         "`labels` input and makes no verifier head at all. The gradient with respect to x is made chunk by chunk "
         "in forward and kept ([rows, hidden]); backward recomputes nothing. Same outputs as the loss op. Made by "
         "the rule fuse_heads_into_loss.",
     inputs=_fused_inputs,
     outputs=_LOSS.outputs,
     params=(_LOSS.param("kind"), _LOSS.param("gamma"),
-            Param("chunk", "int", "Rows per chunk; 0: Liger's rule, [chunk, vocab] about the size of [rows, hidden] "
+            Param("chunk", "int", "Rows per chunk, rounded down to whole blocks of block-1 scored slots (at least "
+                  "one block: ops/costs.fused_chunk); 0: Liger's rule, [chunk, vocab] about the size of [rows, hidden] "
                   "(ops/costs.head_chunk). The rule writes the value it chose.", default=0, shown=True),
             *_OBJECTIVE_PARAMS),
     example=PortsExample((("labels", "verifier"),), "labels = 'data': the input `target_x` is `labels` "

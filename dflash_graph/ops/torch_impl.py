@@ -437,7 +437,7 @@ def head_loss_chunks(x: Tensor, tx: Tensor | None, y: Tensor | None, weight: Ten
             j = slice(i, i + nb)
             c = x[j].shape[0] * n               # rows in this chunk
             if tx is None:
-                xi = x[j, 1:].reshape(c, h)     # [c, H]: the drafter's rows only
+                xi = xt = x[j, 1:].reshape(c, h)   # [c, H]: the drafter's rows only
                 st = F.linear(xi, weight)       # [c, V]
                 s, t = st, None
             else:
@@ -458,7 +458,7 @@ def head_loss_chunks(x: Tensor, tx: Tensor | None, y: Tensor | None, weight: Ten
                 del ds
             else:
                 del s, st
-            del xi
+            del xi, xt
         # the [A, B] layout the loss op sums in (slot 0: 0), so that the sums round as its do
         rows_f = torch.zeros(a, b, dtype=rows.dtype, device=x.device)
         rows_f[:, 1:] = rows
