@@ -248,12 +248,14 @@ class _Builder:
                         {"out": attrs.evolve(idx, ref=f"{nid}.out", hi=modulo)})["out"]
 
     def block_positions(self, n: int, device: str) -> Val:
+        """Blocks of `block` positions from anchors anywhere in [0, n): a block may run past the row's end, where
+        the op clamps its indices to n - 1 (its `seq` param), so every index is in [0, n)."""
         block, b = self.dim(max_value=n)
-        anchors = self.int_source(device, n - b + 1, 1)
+        anchors = self.int_source(device, n, 1)
         nid = self.nid("blk")
         out = Val(f"{nid}.index", (*anchors.shape, (block, b)), "int64", device, hi=n)
         return self.add({"id": nid, "op": "block_positions", "device": device, "inputs": {"anchors": anchors.ref},
-                         "params": {"block": block}}, {"index": out})["index"]
+                         "params": {"block": block, "seq": n}}, {"index": out})["index"]
 
     def index_for(self, n: int, device: str, max_rank: int) -> Val:
         """An int64 tensor on `device` whose values index an axis of size n."""
