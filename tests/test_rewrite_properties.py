@@ -185,7 +185,7 @@ id = "blk2"
 op = "block_positions"
 device = "d0"
 inputs = { anchors = "idx1.out" }
-params = { block = "hidden" }
+params = { block = "hidden", seq = "hidden" }
 [[nodes]]
 id = "gather3"
 op = "gather"
