@@ -42,11 +42,11 @@ NOTE [Data-parallel memory]: a model declared `parallel` (analysis/parallel.py) 
   units and 2.5 units at the measured peak, freed when gloo's threads complete them (docs/distributed.md,
   "Measured against predicted, per device": tiny_dp, 15-20% above this figure). Not changed without NCCL data.
 Measured on CPU (the live tracker, tiny_dp on 4 ranks): the DDP buckets and the resident bytes of both engines are
-exact (tests/test_dp.py, default suite); DDP's whole peak is an upper bound, 4.2% above, because the backward
+exact (tests/test_dp.py, default suite); DDP's whole peak is an upper bound, 6.9% above, because the backward
 allocates every weight gradient at the first backward node, where autograd makes them layer by layer. At the
-forward's peak it is 263,092 B under: the drafter's context input, which autograd keeps as fc's input and
-ops/costs.py drafter_forward does not declare in saved_inputs (262,144 B; in one process too), and 948 B of the
-loss's small temporaries.
+forward's peak it is 948 B under (the loss's small temporaries); it counts the drafter's context input, which
+autograd keeps as fc's input (ops/costs.py drafter_forward saved_inputs: 262,144 B on tiny's drafter, in one
+process too; tests/test_run.py).
 """
 
 from __future__ import annotations

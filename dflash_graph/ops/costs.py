@@ -408,6 +408,10 @@ def drafter_forward(c: CostContext) -> NodeCost:
         workspace_bytes=dflash.forward_workspace_bytes(d, ctx, anchors, c.dtype_bytes),
         saved_bytes=dflash.forward_saved_bytes(d, ctx, anchors, c.dtype_bytes) if c.grad else 0,
         flops=dflash.forward_flops(d, ctx, anchors),
+        # fc (the projection of the concatenated target features) keeps its input [rows, n_layers*hidden] for
+        # backward (torch.nn.functional.linear saves its input for the weight's gradient): alive from here until
+        # the drafter's backward, like any saved input
+        saved_inputs=("context",) if c.grad else (),
     )
 
 
