@@ -30,20 +30,32 @@ NOTE [Data-parallel memory]: a model declared `parallel` (analysis/parallel.py) 
   gradients, and with gradient_as_bucket_view=False (its default) the Reducer allocates each bucket's flat
   gradient tensor at construction: together exactly the trainable parameters' bytes in their dtype, resident
   (tests/test_layouts.py reads the buckets' sizes from a DDP on a 1-process gloo group).
-- fsdp: fully_shard (torch/distributed/fsdp/_fully_shard/) per decoder layer and once at the root. Each replica
-  holds its shard of every parameter (_fsdp_param.py: dim 0 chunked into M, padded to M equal chunks), so 1/M of
-  the parameters, their gradients, masters and AdamW state. During each forward and backward the unsharded
-  parameters of the unit being computed and of the one prefetched (_fsdp_collectives.py foreach_all_gather:
-  all_gather_output, world_size x the padded shards), and during backward a unit's unsharded gradients with their
-  shard (foreach_reduce: reduce_scatter_input and output). Counted as 2 units all-gathered from the start of each
-  forward to the end of its backward and one reduce-scatter through the backward, both at the largest unit: an
-  estimate (FSDP2 frees each unit's all-gather after its forward with reshard_after_forward=True), which FSDP2 on
-  CPU/gloo exceeds: there its per-parameter all-gather outputs, copy-out and reduce-scatter splits held about 6
-  units and 2.5 units at the measured peak, freed when gloo's threads complete them (docs/distributed.md,
-  "Measured against predicted, per device": tiny_dp, 15-20% above this figure). Not changed without NCCL data.
+- fsdp: fully_shard (torch/distributed/fsdp/_fully_shard/) per decoder layer and once at the root (train/trainer.py
+  _shard_fsdp; the root's own parameters, fc and the norms, counted as one unit R). Each replica holds its shard of every parameter (_fsdp_param.py: dim 0
+  chunked into M, padded to M equal chunks), so 1/M of the parameters, their gradients, masters and AdamW state.
+  What FSDP2 (torch 2.13) can hold at once besides, U the largest unit's unsharded bytes, R the root's:
+  - the root's unsharded parameters from its all-gather at the start of the forward to its post-backward: the
+    root is not resharded after forward (_fsdp_state.py _lazy_init, post_forward_mesh_info = None): R;
+  - a layer unit's unsharded parameters (foreach_all_gather_copy_out into each parameter's all_gather_outputs,
+    _fsdp_collectives.py; freed by reshard after its forward and after its backward, _fsdp_param.py
+    free_storage) and one all-gather output (world x the padded shards, all_gather_copy_in; in forward the
+    previous unit's is kept in comm_ctx.all_gather_state until the next unit's wait_for_unshard frees it,
+    _fsdp_param_group.py wait_for_unshard, before that unit's copy-out; in backward the prefetched unit's,
+    _backward_prefetch, until its own wait): 2U. Counted R + 2U from the first trainable node's forward to the
+    end of the backward.
+  - in backward, a unit's unsharded gradients (autograd's), a reduce-scatter input (foreach_reduce; kept in
+    comm_ctx.reduce_scatter_states until the next unit's post_backward pops it before its own reduce, or to
+    the end of the backward: _fsdp_param_group.py post_backward, _fsdp_state.py _root_post_backward_final_callback)
+    and the reduce-scatter output, the unit's 1/M gradient shard: 2U + U/M through the backward.
+  At a unit's backward the live set is at most R, its parameters, the prefetched all-gather output, the previous
+  unit's reduce-scatter input and its own gradients (R + 4U), at its post-backward R, the prefetched output, its
+  gradients, its reduce-scatter input and output (R + 3U + U/M): both within R + 4U + U/M, an upper bound.
 Measured on CPU (the live tracker, tiny_dp on 4 ranks): the DDP buckets and the resident bytes of both engines are
-exact (tests/test_dp.py, default suite); DDP's whole peak is an upper bound, 6.9% above, because the backward
-allocates every weight gradient at the first backward node, where autograd makes them layer by layer. At the
+exact (tests/test_dp.py, default suite); FSDP2's whole peak is 7,162,080 and 7,327,968 B in two runs against
+check's 9,002,660 B (an upper bound, 23-26% above; the tracker follows FSDP2's storage resizes: before it did, it
+counted every unit's freed unsharded parameters and measured 15-20% above check's earlier estimate); DDP's
+whole peak is an upper bound, 6.9% above, because the backward allocates every weight gradient at the first
+backward node, where autograd makes them layer by layer. At the
 forward's peak it is 948 B under (the loss's small temporaries); it counts the drafter's context input, which
 autograd keeps as fc's input (ops/costs.py drafter_forward saved_inputs: 262,144 B on tiny's drafter, in one
 process too; tests/test_run.py).
@@ -515,7 +527,8 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
     trainable_width: dict[str, int] = {}
     dp = data_parallel(typed)
     dp = dp if dp is not None and device in dp.devices else None
-    units: list[int] = []        # FSDP2: the parameter bytes of each fully_shard unit, unsharded
+    units: list[int] = []        # FSDP2: the parameter bytes of each layer's fully_shard unit, unsharded
+    root_bytes = 0               # and of the root unit: what no layer holds
     for owner, params in sorted(component_bytes(typed).get(device, {}).items()):
         mname, comp = owner.split(".")
         m = ctx.models[mname]
@@ -523,8 +536,10 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
         if dp is not None and dp.engine == "fsdp" and mname == dp.model:
             # NOTE [Data-parallel memory]: each replica holds 1/M of the parameters (and so of their gradients,
             # masters and AdamW state)
-            layers = getattr(m.dims, "num_hidden_layers", 1) if comp == "layers" else 1
-            units += [params * width // layers] * layers if comp == "layers" else [params * width]
+            if comp == "layers":
+                units += [params * width // m.dims.num_hidden_layers] * m.dims.num_hidden_layers
+            else:                   # fc, the norms: the root unit's (train/trainer.py _shard_fsdp)
+                root_bytes += params * width
             params = fsdp_shard(params, len(dp.devices))
         nblocks = getattr(m.dims, "num_hidden_layers", 1) if comp == "layers" else 1
         if type(seq) is _Seq and nblocks > 2 and params * width // nblocks > 0:
@@ -553,11 +568,10 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
     if dp is not None and dp.engine == "ddp" and trainable_params:
         seq.alloc(("ddp_buckets",), sum(p * trainable_width[o] for o, p in trainable_params.items()),
                   "load/DDP gradient buckets (Reducer, gradient_as_bucket_view=False)")
-    fsdp_unit = 0
-    if dp is not None and dp.engine == "fsdp" and units:
-        units.append(sum(p * trainable_width[o] for o, p in trainable_params.items())
-                     * len(dp.devices) - sum(units))     # the root unit: what no layer holds
-        fsdp_unit = max(units)
+    fsdp_unit = fsdp_root = 0
+    if dp is not None and dp.engine == "fsdp" and (units or root_bytes):
+        fsdp_root = root_bytes
+        fsdp_unit = max(units + [root_bytes])
     first_grad = next((n.id for n in on if n.id in grads), None)
     for n in on:
         op = registry.get(n.op)
@@ -583,8 +597,10 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                 seq.start(it)
             for n in g.nodes:
                 seq.at = n.id if step == 0 else None   # where the replay is (NOTE [Rejection certificates])
-                if fsdp_unit and n.id == first_grad:   # all-gathered: the unit computed and the one prefetched
-                    seq.alloc(("fsdp_all_gather",), 2 * fsdp_unit, f"{n.id}/FSDP all-gather: 2 units' parameters")
+                if fsdp_unit and n.id == first_grad:   # NOTE [Data-parallel memory]: the root's parameters, a
+                    # unit's unsharded parameters and an all-gather output (the next unit's, or the previous one's)
+                    seq.alloc(("fsdp_all_gather",), fsdp_root + 2 * fsdp_unit,
+                              f"{n.id}/FSDP all-gather: the root's parameters, a unit's and an all-gather output")
                 here = n.id in on_ids
                 cost = costs.get(n.id, NodeCost())
                 _forward_node(seq, typed, n, here, cost, left, saved_refs, grads, compress, desc, actions)
@@ -592,9 +608,10 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
             seq.at = None
             bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
             grad_of: set[Ref] = set()
-            if fsdp_unit:   # a unit's unsharded gradients in, its 1/M shard out
-                seq.alloc(("fsdp_reduce_scatter",), fsdp_unit + -(-fsdp_unit // len(dp.devices)),
-                          "FSDP reduce-scatter: a unit's unsharded gradients and their shard")
+            if fsdp_unit:   # a unit's unsharded gradients, a reduce-scatter input (this unit's or the previous
+                # one's, held until the next post-backward) and its 1/M shard out
+                seq.alloc(("fsdp_reduce_scatter",), 2 * fsdp_unit + -(-fsdp_unit // len(dp.devices)),
+                          "FSDP reduce-scatter: a unit's unsharded gradients, a reduce-scatter input and its shard")
             for n in bwd:
                 cost = costs[n.id]
                 label = f"{n.id}/backward"

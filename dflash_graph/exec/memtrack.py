@@ -72,7 +72,11 @@ class LiveTracker(TorchDispatchMode):
         key = st.data_ptr() if st.nbytes() else id(st)
         if key in self._refs and self._refs[key][0]() is not None:
             return
-        n = st.nbytes()
+        self._count(st, device, st.nbytes())
+
+    def _count(self, st, device: str, n: int) -> None:
+        """Charge a storage of n bytes to `device` until it dies (or is resized)."""
+        key = st.data_ptr() if n else id(st)
 
         def release(_ref, key=key, device=device, n=n):
             if self._refs.get(key, (None,))[0] is _ref:
@@ -85,6 +89,39 @@ class LiveTracker(TorchDispatchMode):
             self.peak[device] = self.live[device]
         if self.node is not None and device == self.device:
             self.node_peak[self.node] = max(self.node_peak[self.node], self.live[device])
+
+    def _resized(self, st, old_key: int) -> None:
+        """A storage resized in place (torch.UntypedStorage.resize_, which no dispatch mode sees): FSDP2 frees a
+        unit's unsharded parameters with resize_(0) and allocates them again with resize_(size)
+        (torch/distributed/fsdp/_fully_shard/_fsdp_param.py free_storage, alloc_storage), the storage object
+        living on. Its bytes follow the resize, as torch's MemTracker counts them
+        (torch/distributed/_tools/mem_tracker.py _track_resize); without this a freed unit stayed counted."""
+        ref, device, n = self._refs.get(old_key, (None, self.device, 0))
+        if ref is not None and ref() is not st:
+            ref, device, n = None, self.device, 0
+        if ref is None and device is None:
+            return                          # a storage made before tracking, resized outside any device's node
+        if ref is not None:
+            del self._refs[old_key]
+            self.live[device] -= n
+        self._count(st, device, st.nbytes())
+
+    def __enter__(self):
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, size):
+            old_key = st.data_ptr() if st.nbytes() else id(st)
+            out = orig(st, size)
+            tracker._resized(st, old_key)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
