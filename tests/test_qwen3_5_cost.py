@@ -23,6 +23,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModSt
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3_5TextModel  # noqa: E402
+from dflash_graph.models.trace.memtrack import no_backward_hooks  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -259,7 +260,7 @@ def _measure(cfg, seq, dtype, *, math=False, use_cache=False, packed=False):
     mt = MemTracker()
     mt.track_external(model)
     ctx = sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext()
-    with torch.no_grad(), mt, ctx:
+    with torch.no_grad(), no_backward_hooks(), mt, ctx:
         model(inputs_embeds=x, use_cache=use_cache, position_ids=pos)
     snap = mt.get_tracker_snapshot("peak")
     dev = next(iter(snap))
@@ -403,7 +404,7 @@ def test_flops_match_flop_counter(seq):
     assert Q.body_forward_flops(d, seq) == sum(br.values())
     # the CPU flash kernel and solve_triangular have no FLOP formula in the counter
     counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
+    with torch.no_grad(), no_backward_hooks(), counter:
         model(inputs_embeds=x, use_cache=False)
     got = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     assert got["aten.mm"] == br["mlp"] + br["linear_proj"] + br["attention_proj"]
@@ -411,7 +412,7 @@ def test_flops_match_flop_counter(seq):
     assert got["aten.convolution"] == br["conv"]
     # math attention: QK^T and PV over all seq^2 pairs (the formula counts the causal half)
     counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter, sdpa_kernel(SDPBackend.MATH):
+    with torch.no_grad(), no_backward_hooks(), counter, sdpa_kernel(SDPBackend.MATH):
         model(inputs_embeds=x, use_cache=False)
     bmm = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}["aten.bmm"]
     full_pairs = br["attention"] * seq * seq // (seq * (seq + 1) // 2)

@@ -2,7 +2,7 @@
 against torch's MemTracker, byte for byte, on small and 27B-wide configs; the packed-mask figures; check's printed
 assumption, its errors and the eager OOM; and the run path running the declared packing.
 
-Reference: transformers 5.24 Qwen3_5TextModel, torch 2.13 MemTracker. Small configs run real CPU tensors; the
+Reference: transformers 5.25 Qwen3_5TextModel, torch 2.13 MemTracker. Small configs run real CPU tensors; the
 27B-wide ones run over fake tensors (tools/memtrack_qwen27b.py, the tool docs/memory-qwen3_5.md quotes).
 """
 
@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState  # noqa: E402
 from transformers import Qwen3_5TextConfig, Qwen3_5TextModel  # noqa: E402
+from dflash_graph.models.trace.memtrack import no_backward_hooks  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ def _real_measure(cfg, seq, dtype, impl, docs):
     pos = TOOL.packed_positions(seq, docs) if docs > 1 else None
     mt = MemTracker()
     mt.track_external(model)
-    with torch.no_grad(), mt:
+    with torch.no_grad(), no_backward_hooks(), mt:
         model(inputs_embeds=x, use_cache=False, position_ids=pos)
     snap = mt.get_tracker_snapshot("peak")
     dev = next(iter(snap))

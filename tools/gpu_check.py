@@ -142,9 +142,11 @@ def measure_forward(cfg: dict, seq: int, docs: int, impl: str, packing: str, dev
         else:
             from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+            from dflash_graph.models.trace.memtrack import no_backward_hooks
+
             mt = MemTracker()
             mt.track_external(model)
-            with torch.no_grad(), mt:
+            with torch.no_grad(), no_backward_hooks(), mt:
                 model(inputs_embeds=x, position_ids=pos, use_cache=False)
             snap = mt.get_tracker_snapshot("peak")
             k = next(iter(snap))

@@ -88,7 +88,9 @@ def measure(cfg: dict, seq: int, dtype: torch.dtype, variant: str, docs: int = 8
         kwargs["attention_mask"] = {"full_attention": None, "linear_attention": None}
     mt = MemTracker()
     mt.track_external(model)
-    with fake, torch.no_grad(), mt:
+    from dflash_graph.models.trace.memtrack import no_backward_hooks
+
+    with fake, torch.no_grad(), no_backward_hooks(), mt:
         model(**kwargs)
     snap = mt.get_tracker_snapshot("peak")
     dev = next(iter(snap))

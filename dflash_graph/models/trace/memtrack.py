@@ -66,7 +66,7 @@ def memtracker_peak(spec: ArchSpec, point: dict[str, int], packing: str,
     # the inputs are the caller's, as the recorder has them (MemTracker would count an input's storage as an
     # activation from the first view an op makes of it: position_ids under packing "mask")
     mt.track_external(model, *[v for v in kw.values() if isinstance(v, torch.Tensor)])
-    with packing_as_run(packing == "mask"), fake, torch.no_grad(), _no_backward_hooks(), mt:
+    with packing_as_run(packing == "mask"), fake, torch.no_grad(), no_backward_hooks(), mt:
         (model.model if body else model)(**kw)
     snap = mt.get_tracker_snapshot("peak")
     dev = next(iter(snap))
@@ -74,16 +74,26 @@ def memtracker_peak(spec: ArchSpec, point: dict[str, int], packing: str,
 
 
 @contextlib.contextmanager
-def _no_backward_hooks():
-    """MemTracker's module tracker without its backward hooks on module inputs, for a forward under no_grad (no
-    backward ever runs, so they would never fire). transformers >= 5.25 calls causal_conv1d_fn as a `kernels`
-    module with a view of the conv weight made under no_grad: it requires grad but has no gradient edge, and
-    torch's register_multi_grad_hook asserts one ("Expected gradient function to be set")."""
+def no_backward_hooks():
+    """torch's module trackers (MemTracker's and FlopCounterMode's) without their backward hooks on module inputs
+    and outputs, for a forward under no_grad: no backward runs, so they would never fire. transformers >= 5.25 calls
+    causal_conv1d_fn as a `kernels` module with a view of the conv weight made under no_grad; the view requires
+    grad but has no gradient edge, and torch's register_multi_grad_hook asserts one ("Expected gradient function
+    to be set")."""
     from unittest import mock
 
     from torch.distributed._tools import mod_tracker
+    from torch.utils import module_tracker
 
-    with mock.patch.object(mod_tracker, "register_multi_grad_hook", lambda tensors, fn, **kw: None):
+    class _Handle:                    # what the trackers keep and remove later
+        def remove(self) -> None:
+            pass
+
+    def skip(tensors, fn, **kw):
+        return _Handle()
+
+    with mock.patch.object(mod_tracker, "register_multi_grad_hook", skip), \
+            mock.patch.object(module_tracker, "register_multi_grad_hook", skip):
         yield
 
 
@@ -106,4 +116,4 @@ def compare(spec: ArchSpec, point: dict[str, int], packing: str, layers: int = 2
     return run.peak, memtracker_peak(spec, point, packing, layer_types=types, body=body)
 
 
-__all__ = ["REALISTIC", "compare", "default_layers", "memtracker_peak"]
+__all__ = ["REALISTIC", "compare", "default_layers", "memtracker_peak", "no_backward_hooks"]
