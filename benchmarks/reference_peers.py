@@ -173,7 +173,7 @@ def peer_available(peer: str) -> tuple[bool, str]:
         __import__(mod)
     except Exception as e:   # noqa: BLE001 (any import failure: say which)
         return False, (f"{peer} could not be imported ({type(e).__name__}: {e}); install the `references` extra: "
-                       "pip install --no-deps speculators==0.9.0 specforge==0.2.0 openai hs-connectors==0.9.0")
+                       "pip install --no-deps speculators==0.9.0 specforge==0.2.0 openai sniffio hs-connectors==0.9.0")
     import importlib.metadata as md
     return True, f"{peer} {md.version(peer)}"
 

@@ -33,7 +33,7 @@ def check(capsys, *args):
 def test_cuda_graph_mapped_to_cpu_does_not_fit_the_host(in_repo, capsys, host_24gib):
     code, out, _ = check(capsys, *QWEN_ON_CPU)
     assert code == 1
-    assert ("OOM on host memory: the CPU devices gpu0..gpu7 (8 devices) need 598.45 GiB together (the sum of their "
+    assert ("OOM on host memory: the CPU devices gpu0..gpu7 (8 devices) need 599.95 GiB together (the sum of their "
             "peaks); this host has 24.00 GiB (available: MemAvailable in /proc/meminfo)") in out
     assert "--host-memory 512GiB or [memory] host_memory" in out
     assert out.splitlines()[-2].startswith("verdict: predicted OOM on gpu0, ") and out.splitlines()[-2].endswith(
@@ -51,7 +51,7 @@ def test_declared_host_memory_fits(in_repo, capsys, monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", unread)
     code, out, _ = check(capsys, *QWEN_ON_CPU, "--host-memory", "1TiB")
     assert code == 0, out
-    assert ("host memory: the CPU devices gpu0..gpu7 (8 devices) share it and need 598.45 GiB together (the sum of "
+    assert ("host memory: the CPU devices gpu0..gpu7 (8 devices) share it and need 599.95 GiB together (the sum of "
             "their peaks); this host has 1024.00 GiB (declared: --host-memory or [memory] host_memory)") in out
     assert "verdict: fits on every device" in out
     # the same figure from the TOML key (one declaration: [memory] host_memory)

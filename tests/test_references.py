@@ -6,7 +6,7 @@ also with the project's per-document mask and positions: its trainer has no pack
 1e-6 (relative to the largest logit), loss and gradients within 1e-5 relative, fp32.
 
 The packages are the `references` extra, installed without their dependency sets (.ci/run):
-`pip install --no-deps speculators==0.9.0 specforge==0.2.0 openai hs-connectors==0.9.0`."""
+`pip install --no-deps speculators==0.9.0 specforge==0.2.0 openai sniffio hs-connectors==0.9.0`."""
 
 import types
 
@@ -105,6 +105,9 @@ def _speculators(case):
     from speculators.models.dflash import DFlashSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
+    # pydantic >= 2.14 leaves the config "not fully defined" after the first model made from it: the annotations
+    # name `torch`, which its module imports only under TYPE_CHECKING; rebuild with torch in the namespace
+    DFlashSpeculatorConfig.model_rebuild(force=True, _types_namespace={"torch": torch})
     b = case.block
     tl = _layer_config()
     tl._attn_implementation = "eager"     # its dense float mask (create_float_mask) from its own mask_mod
