@@ -462,8 +462,111 @@ def new_manifest(sig: Mapping[str, Any], samples: int, shard_samples: int) -> di
             "shard_samples": shard_samples, "shards": []}
 
 
-def shard_name(index: int) -> str:
-    return f"shard-{index:06d}.safetensors"
+def shard_name(index: int, rank: int | None = None) -> str:
+    """A shard's file: `shard-000012.safetensors` from one process, `shard-r1-00012.safetensors` from target rank 1
+    of a launch (NOTE [One writer per target rank])."""
+    return f"shard-{index:06d}.safetensors" if rank is None else f"shard-r{rank}-{index:05d}.safetensors"
+
+
+def part_name(rank: int) -> str:
+    """Target rank `rank`'s own record of the shards it has written, until the writer rank merges them."""
+    return f"manifest-r{rank}.json"
+
+
+# NOTE [One writer per target rank]: under torchrun each target rank runs its own replicas' samples (sample i is
+# replica i % R: the sample -> rank assignment of the online run, NOTE [Sample order]) and writes them to its own
+# shards, `shard-r{rank}-{k}`: its k-th group of `shard_samples` samples, i.e. samples first, first + R, ...
+# (the entry's `stride` is R). A rank records its shards in its own part, `manifest-r{rank}.json` (replaced
+# atomically after each shard, as manifest.json is in one process), so a killed launch resumes per rank. When
+# every rank is done, the writer rank gathers each rank's entries and writes manifest.json once, atomically
+# (merge_parts), then removes the parts. A reader orders the shards by their first sample and takes the samples
+# in sample order across them (train/hidden_cache.CacheSource).
+
+def entry_samples(entry: Mapping[str, Any]) -> range:
+    """The samples a manifest entry's shard holds (NOTE [One writer per target rank]): `samples` of them from
+    `first`, every `stride`-th (1 when one process wrote the cache)."""
+    stride = int(entry.get("stride", 1))
+    return range(int(entry["first"]), int(entry["first"]) + int(entry["samples"]) * stride, stride)
+
+
+def samples_text(entry: Mapping[str, Any]) -> str:
+    s = entry_samples(entry)
+    if s.step == 1:
+        return f"samples {s.start}..{s[-1]}"
+    return f"samples {s.start}..{s[-1]}, every {s.step}th"
+
+
+def rank_samples(samples: int, replica: int, replicas: int) -> range:
+    """The samples of one replica (and so of the target rank that runs it): replica r of every micro-batch."""
+    return range(replica, samples, replicas)
+
+
+def merge_parts(sig: Mapping[str, Any], samples: int, shard_samples: int, replica_ranks: Sequence[int],
+                parts: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """manifest.json from each target rank's entries (NOTE [One writer per target rank]): the shards ordered by
+    their first sample, refused unless together they hold every sample exactly once."""
+    entries = sorted((dict(e) for es in parts.values() for e in es), key=lambda e: e["first"])
+    seen: dict[int, str] = {}
+    for e in entries:
+        for i in entry_samples(e):
+            if i in seen:
+                raise GraphError(Problem(f"sample {i} is in two shards, {seen[i]} and {e['file']}",
+                                         Location(MANIFEST), hint="capture again with --overwrite"))
+            seen[i] = e["file"]
+    missing = [i for i in range(samples) if i not in seen]
+    if missing or len(seen) != samples:
+        raise GraphError(Problem(f"the target ranks' shards hold {len(seen)} of {samples} samples (first missing: "
+                                 f"{missing[0] if missing else '-'})", Location(MANIFEST),
+                                 hint="run the capture again (finished shards are kept)"))
+    m = new_manifest(sig, samples, shard_samples)
+    m["replica_ranks"] = list(replica_ranks)
+    m["shards"] = entries
+    return m
+
+
+def replica_ranks(typed: Typed, cut: Cut) -> list[int]:
+    """The torchrun rank that runs each replica's target side (NOTE [One writer per target rank]); refused when a
+    replica's target side spans ranks (its cache would need sends inside the target side) or a rank runs the
+    target side of several replicas (its shards would not be every R-th sample)."""
+    from .launch import device_for
+
+    spec = typed.ctx.spec
+    g = typed.graph
+    targets = set(cut.target_devices)
+    nodes = [n for n in g.nodes if set(typed.ctx.devices_of(n.device)) & targets]
+    out: list[int] = []
+    for q in range(replicas(typed)):
+        ranks = sorted({spec.rank_of(device_for(typed, n.device, q)) for n in nodes})
+        if len(ranks) != 1:
+            raise GraphError(Problem(f"replica {q}'s target side runs on ranks {ranks}: capture under torchrun writes "
+                                     "each replica's samples from the one rank that runs its target side",
+                                     spec.loc("devices"), expected="one rank per replica's target devices",
+                                     actual=f"{len(ranks)} ranks", hint="run `dflash-graph capture` in one process, "
+                                     "or give each replica's target devices one rank"))
+        if ranks[0] in out:
+            raise GraphError(Problem(f"rank {ranks[0]} runs the target side of replicas {out.index(ranks[0])} and {q}: "
+                                     "capture under torchrun needs one replica per target rank", spec.loc("devices"),
+                                     hint="run `dflash-graph capture` in one process, or give each replica's "
+                                          "target devices their own rank"))
+        out.append(ranks[0])
+    return out
+
+
+def missing_samples(m: Mapping[str, Any]) -> list[int]:
+    """The samples of a manifest that no recorded shard holds (a capture that did not finish)."""
+    held = set()
+    for e in m["shards"]:
+        held.update(entry_samples(e))
+    return [i for i in range(int(m["samples"])) if i not in held]
+
+
+def shard_of(m: Mapping[str, Any], i: int) -> str:
+    """The file that holds (or would hold) sample i of a manifest."""
+    ranks = m.get("replica_ranks")
+    if not ranks:
+        return shard_name(i // int(m["shard_samples"]))
+    R = len(ranks)
+    return shard_name((i // R) // int(m["shard_samples"]), ranks[i % R])
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

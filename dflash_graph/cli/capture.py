@@ -11,10 +11,28 @@ from ..rewrite.pipeline import compile_graph
 
 
 def cmd_capture(args) -> int:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise GraphError(Problem("capture runs in one process for now (one writer per target rank under torchrun is "
-                                 "not implemented)", Location(flag="capture"),
-                                 hint="run `dflash-graph capture` without torchrun"))
+    """Under torchrun (`dflash-graph launch --nproc-per-node N capture ...`) every rank runs this: until the process
+    group exists every rank reaches the same verdict, printed once per machine (exec.distributed.shared_verdict);
+    then each target rank writes its own shards and the writer rank the manifest (train/hidden_cache.capture_ranks)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _cmd_capture(args, {})
+    from ..exec import distributed
+
+    stage = {"shared": True}
+    try:
+        return _cmd_capture(args, stage)
+    except GraphError as e:
+        if stage["shared"]:
+            distributed.shared_verdict(str(e), 2)
+        raise
+    except KeyboardInterrupt:
+        if stage["shared"]:
+            distributed.shared_verdict("interrupted: Ctrl-C before the capture started; nothing was written",
+                                       distributed.EXIT_INTERRUPTED)
+        raise
+
+
+def _cmd_capture(args, stage: dict) -> int:
     if args.samples is not None and args.samples < 1:
         raise GraphError(Problem(f"--samples must be a positive number of packed sequences, got {args.samples}",
                                  Location(flag=f"--samples {args.samples}"), hint="e.g. --samples 400"))
@@ -27,15 +45,35 @@ def cmd_capture(args) -> int:
 
     plan = compile_graph(args.graph, args.overrides, rewrite=not args.no_rewrite, rules_off=args.rules_off)
     require_paths(plan.typed.ctx.spec, "run")
-    from ..train.hidden_cache import capture
-
     out = Path(args.out)
-    r = capture(plan, out, samples=args.samples, overwrite=args.overwrite, progress=not args.no_progress,
-                device_map=args.device_map)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        from ..analysis.launch import analyze_launch
+
+        launch = analyze_launch(plan.typed)
+        if world != launch.world_size:
+            ranks = ", ".join(f"{d}={launch.devices[d].rank}" for d in launch.devices)
+            raise GraphError(Problem(f"torchrun started {world} processes, but the graph's devices map to "
+                                     f"{launch.world_size} rank(s) ({ranks})", plan.typed.ctx.spec.loc("devices"),
+                                     hint=f"launch with --nproc-per-node {launch.world_size}: dflash-graph launch "
+                                          f"--nproc-per-node {launch.world_size} capture GRAPH --out DIR"))
+        from ..train.hidden_cache import capture_ranks
+
+        r = capture_ranks(plan, out, samples=args.samples, overwrite=args.overwrite, progress=not args.no_progress,
+                          device_map=args.device_map, stage=stage)
+        if r is None:         # not the writer rank: it has said nothing
+            return 0
+        who = f" by target ranks {', '.join(map(str, r['ranks']))}"
+    else:
+        from ..train.hidden_cache import capture
+
+        r = capture(plan, out, samples=args.samples, overwrite=args.overwrite, progress=not args.no_progress,
+                    device_map=args.device_map)
+        who = ""
     from ..units import fmt_bytes
 
     kept = f", {r['kept']} kept from before" if r["kept"] else ""
-    print(f"captured {r['samples']} samples into {out}: {r['shards']} shards ({r['shards'] - r['kept']} written"
+    print(f"captured {r['samples']} samples into {out}{who}: {r['shards']} shards ({r['shards'] - r['kept']} written"
           f"{kept}), {fmt_bytes(r['bytes'])} on disk (predicted {fmt_bytes(r['predicted_bytes'])}), "
-          f"{r['target_forwards']} target forwards in {r['seconds']:.1f} s")
+          f"{r['target_forwards']} target forwards in {r['seconds']:.1f} s", flush=True)
     return 0

@@ -147,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
     cp.add_argument("--no-progress", action="store_true", help="no progress lines")
     sub.add_parser("launch", add_help=False,
                    help="run under torchrun, one process per rank: Ctrl-C exits 130, a failed rank its own status",
-                   usage="dflash-graph launch [TORCHRUN FLAGS] run GRAPH [RUN FLAGS]  (see: dflash-graph launch --help)")
+                   usage="dflash-graph launch [TORCHRUN FLAGS] {run,capture} GRAPH [FLAGS]  (see: dflash-graph launch --help)")
     from ..train.bench import BY_NAME as BENCH_FORMATS   # the formats' one declaration (no torch)
 
     ev = sub.add_parser("eval", help="speculative decoding with the trained drafter: acceptance length, speed, lossless",

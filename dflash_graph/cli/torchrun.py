@@ -1,4 +1,5 @@
-"""`dflash-graph launch`: torchrun, in this process, starting `python -m dflash_graph run ...` on every rank.
+"""`dflash-graph launch`: torchrun, in this process, starting `python -m dflash_graph run ...` (or `capture ...`)
+on every rank.
 
 Plain `torchrun ... -m dflash_graph run GRAPH` works too; what `launch` adds is how it ends. torchrun ends a launch
 that failed, or that was stopped by a signal to itself (Ctrl-C at a terminal reaches torchrun and every rank),
@@ -13,10 +14,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-USAGE = "dflash-graph launch [TORCHRUN FLAGS] run GRAPH [RUN FLAGS]"
+USAGE = "dflash-graph launch [TORCHRUN FLAGS] {run,capture} GRAPH [FLAGS]"
 
 DESCRIPTION = """\
-Run `dflash-graph run` under torchrun: one process per rank (docs/distributed.md). The flags before `run` are
+Run `dflash-graph run` under torchrun: one process per rank (docs/distributed.md), or `dflash-graph capture`: one
+writer per target rank (docs/offline.md). The flags before `run` are
 torchrun's own (`torchrun --help` lists them all); the rest is `dflash-graph run`'s. The same as
 `torchrun [TORCHRUN FLAGS] -m dflash_graph run GRAPH [RUN FLAGS]`, except how it ends: Ctrl-C exits 130 and a
 failed run exits with the ranks' own status, each with one line after the ranks' own, never torchrun's traceback.
@@ -44,9 +46,10 @@ examples:
   dflash-graph launch --nproc-per-node 3 run graphs/tiny.toml --out runs/tiny-torchrun    # on a CPU: t0, t1, draft
   dflash-graph launch --nproc-per-node 8 run graphs/qwen27b.toml
   dflash-graph launch --nproc-per-node 3 run graphs/tiny.toml --resume runs/tiny-torchrun
+  dflash-graph launch --nproc-per-node 3 capture graphs/tiny.toml --out /data/cache/tiny   # t0, t1 write shards
 """
 
-COMMANDS = ("run",)   # what launch starts on every rank; the others run in one process and need no launch
+COMMANDS = ("run", "capture")   # what launch starts on every rank; the others run in one process
 
 
 class LaunchUsage(Exception):
@@ -87,7 +90,7 @@ def split(argv: Sequence[str], commands=()):
         known = args.training_script in commands
         why = (f"`{args.training_script}` runs in one process: dflash-graph {args.training_script} ..."
                if known else f"`{args.training_script}` is not a dflash-graph command")
-        raise LaunchUsage(f"dflash-graph launch: error: launch starts `dflash-graph run` on every rank, not "
+        raise LaunchUsage(f"dflash-graph launch: error: launch starts `dflash-graph run` or `capture` on every rank, not "
                           f"`{args.training_script}` ({why})\n"
                           f"  hint: dflash-graph launch [TORCHRUN FLAGS] run GRAPH [RUN FLAGS], e.g. "
                           f"dflash-graph launch --nproc-per-node 3 run graphs/tiny.toml")

@@ -17,6 +17,7 @@ again only the shards that are missing or differ."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
@@ -25,9 +26,10 @@ from typing import Any
 
 import torch
 
-from ..analysis.capture import (MANIFEST, Cut, capture_bill, redraw, storage_of, compare_signatures, file_sha256, find_cut, json_safe,
-                                new_manifest, read_manifest, refuse_unless_fits, shard_name, shard_problem,
-                                signature, tensor_key, weights_files, write_json_atomic, _fsync_dir)
+from ..analysis.capture import (MANIFEST, Cut, capture_bill, redraw, storage_of, compare_signatures, entry_samples,
+                                file_sha256, find_cut, json_safe, missing_samples, new_manifest, part_name,
+                                rank_samples, read_manifest, refuse_unless_fits, samples_text, shard_name, shard_of,
+                                shard_problem, signature, tensor_key, weights_files, write_json_atomic, _fsync_dir)
 from ..analysis.launch import replicas
 from ..errors import GraphError, Location, Problem
 from ..ir.graph import Ref
@@ -124,20 +126,33 @@ class CacheWriter:
     """Shards of a cache, written in sample order (NOTE [Sample order]); resumable (NOTE [Atomic shards])."""
 
     def __init__(self, directory: Path, sig: dict[str, Any], samples: int, shard_samples: int, cut: Cut,
-                 overwrite: bool = False, stored: frozenset[str] | None = None):
+                 overwrite: bool = False, stored: frozenset[str] | None = None, rank: tuple[int, int, int] | None = None):
+        """rank: (this target rank, its replica, the number of replicas) under torchrun (NOTE [One writer per
+        target rank]): the writer then holds that replica's samples only, in shards named for the rank, and
+        records them in the rank's part; the directory was prepared by the writer rank (prepare_directory)."""
         self.dir, self.cut, self.samples, self.shard_samples = directory, cut, samples, shard_samples
         self.fp8 = sig.get("storage") == "anchored-fp8"
         # storage "all": only the anchor-independent crossings that are not in the frontier, and the frontier
         self.stored = stored
+        self.rank = rank
+        self.mine = range(samples) if rank is None else rank_samples(samples, rank[1], rank[2])
         directory.mkdir(parents=True, exist_ok=True)
         self.kept: dict[int, dict] = {}
         self.rewritten: list[str] = []
+        self.pending: dict[str, torch.Tensor] = {}
+        self.bytes_written = 0
+        if rank is not None:
+            self._open_part(sig)
+            return
         if overwrite:
             for p in [*directory.glob("shard-*.safetensors"), directory / MANIFEST]:
                 p.unlink(missing_ok=True)
         elif (directory / MANIFEST).exists():
             m = read_manifest(directory)
             diff = compare_signatures(m["signature"], sig)
+            if m.get("replica_ranks"):
+                diff.append(f"writers: the cache was written by target ranks {m['replica_ranks']} under torchrun, "
+                            "this capture runs in one process")
             if m["samples"] != samples or m["shard_samples"] != shard_samples:
                 diff.append(f"samples: the cache has {m['samples']} in shards of {m['shard_samples']}, this capture "
                             f"asks for {samples} in shards of {shard_samples}")
@@ -157,20 +172,47 @@ class CacheWriter:
             stale.unlink(missing_ok=True)
         self.manifest = new_manifest(sig, samples, shard_samples)
         self.manifest["shards"] = sorted(self.kept.values(), key=lambda e: e["index"])
-        write_json_atomic(directory / MANIFEST, self.manifest)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.bytes_written = 0
+        self.record = directory / MANIFEST
+        write_json_atomic(self.record, self.manifest)
+
+    def _open_part(self, sig: dict[str, Any]) -> None:
+        """This rank's shards from before (its part, else the merged manifest of a finished capture), verified;
+        its own temporaries removed (NOTE [One writer per target rank])."""
+        rank = self.rank[0]
+        self.record = self.dir / part_name(rank)
+        before = self.record if self.record.exists() else self.dir / MANIFEST
+        if before.exists():
+            m = json.loads(before.read_text())
+            for e in m["shards"]:
+                if e.get("rank") != rank:
+                    continue
+                bad = shard_problem(self.dir, e)
+                if bad is None:
+                    self.kept[e["index"]] = e
+                else:
+                    self.rewritten.append(bad)
+        for stale in self.dir.glob(f".shard-r{rank}-*.tmp*"):
+            stale.unlink(missing_ok=True)
+        self.manifest = new_manifest(sig, self.samples, self.shard_samples)
+        self.manifest["rank"] = rank
+        self.manifest["shards"] = sorted(self.kept.values(), key=lambda e: e["index"])
+        write_json_atomic(self.record, self.manifest)
 
     @property
     def shards(self) -> int:
-        return -(-self.samples // self.shard_samples)
+        return -(-len(self.mine) // self.shard_samples)
+
+    def shard_of(self, i: int) -> int:
+        """The shard (of this writer) that holds sample i."""
+        return self.mine.index(i) // self.shard_samples
 
     def shard_done(self, k: int) -> bool:
         return k in self.kept
 
     def add(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         """Sample i (its crossings by transfer node); a shard is written when its last sample arrives."""
-        k = i // self.shard_samples
+        j = self.mine.index(i)
+        k = j // self.shard_samples
         for node, t in tensors.items():
             if self.stored is not None and node not in self.stored:
                 continue           # made again when read (NOTE [Storage choices])
@@ -180,18 +222,20 @@ class CacheWriter:
                 self.pending[tensor_key(i, node) + "#scale"] = scale
             else:
                 self.pending[tensor_key(i, node)] = t
-        last = min((k + 1) * self.shard_samples, self.samples) - 1
-        if i == last:
+        last = min((k + 1) * self.shard_samples, len(self.mine)) - 1
+        if j == last:
             first = k * self.shard_samples
-            path = self.dir / shard_name(k)
+            path = self.dir / shard_name(k, None if self.rank is None else self.rank[0])
             digest, size = _write_shard(path, self.pending)
             self.pending = {}
             self.bytes_written += size
-            entry = {"index": k, "file": path.name, "first": first, "samples": last + 1 - first, "bytes": size,
-                     "sha256": digest}
+            entry = {"index": k, "file": path.name, "first": self.mine[first], "samples": last + 1 - first,
+                     "bytes": size, "sha256": digest}
+            if self.rank is not None:
+                entry.update(rank=self.rank[0], stride=self.mine.step)
             self.kept[k] = entry
             self.manifest["shards"] = sorted(self.kept.values(), key=lambda e: e["index"])
-            write_json_atomic(self.dir / MANIFEST, self.manifest)
+            write_json_atomic(self.record, self.manifest)
 
     @property
     def complete(self) -> bool:
@@ -213,7 +257,8 @@ class TargetSide:
     i's crossings (NOTE [Sample order]); samples are produced in order, `advance()` moves the data past one without
     running anything."""
 
-    def __init__(self, plan, cut: Cut, device_map=()):
+    def __init__(self, plan, cut: Cut, device_map=(), devices: tuple[str, ...] | None = None):
+        """devices: the target devices of this rank under torchrun (default: every target device)."""
         typed = plan.typed
         spec = typed.ctx.spec
         self.tdev = torch_devices(spec, list(device_map))
@@ -226,7 +271,7 @@ class TargetSide:
         train, _ = load_data(spec.data, base, seq, self.seed, vocab, spec.loc)
         self.shards = {r: train.shard(r, self.R) for r in range(self.R)}
         torch.manual_seed(self.seed)
-        local = frozenset(cut.target_devices)
+        local = frozenset(cut.target_devices if devices is None else devices)
         self.store = ModelStore(typed, self.tdev, self.seed)
         self.store.preload(local)
         self.rec = _Recorder()
@@ -260,6 +305,10 @@ class TargetSide:
 
     def advance(self) -> None:
         self.shards[self._where(self.next)[2]].next_batch()   # the data position moves on; nothing is run
+        self.next += 1
+
+    def pass_over(self) -> None:
+        """Past a sample of a replica another rank runs (its data is that replica's shard: untouched here)."""
         self.next += 1
 
 
@@ -305,7 +354,7 @@ def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False
     for bad in writer.rewritten:
         print(f"warning: writing again {bad}", file=stream, flush=True)
     for i in range(N):
-        k = i // shard_samples
+        k = writer.shard_of(i)
         if writer.shard_done(k):
             side.advance()
             continue
@@ -320,6 +369,130 @@ def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False
             "written_bytes": writer.bytes_written, "bytes": sum(e["bytes"] for e in writer.kept.values()),
             "seconds": time.perf_counter() - t0, "target_forwards": side.forwards, "predicted_bytes": bill.default.total,
             "rewritten": writer.rewritten}
+
+
+def check_rank_directory(out: Path, sig: dict[str, Any], samples: int, shard_samples: int, ranks: list[int],
+                         overwrite: bool) -> int:
+    """What a capture under torchrun finds in --out, read only (every rank reaches the same verdict before the
+    process group exists): a cache of another graph, samples, shards or target ranks refused; a directory that
+    holds something else refused. Returns the bytes of the shards already there (they count as free space)."""
+    if overwrite or not out.exists():
+        return 0
+    records = [out / MANIFEST] if (out / MANIFEST).exists() else sorted(out.glob("manifest-r*.json"))
+    if not records:
+        if any(out.iterdir()):
+            raise GraphError(Problem(f"{out} is not empty and holds no cache ({MANIFEST})", Location(str(out)),
+                                     hint="capture into an empty or new directory, or add --overwrite to write over it"))
+        return 0
+    for rec in records:
+        m = read_manifest(out) if rec.name == MANIFEST else json.loads(rec.read_text())
+        diff = compare_signatures(m["signature"], sig)
+        if rec.name == MANIFEST and m.get("replica_ranks") != ranks:
+            diff.append(f"writers: the cache was written by {'target ranks ' + str(m['replica_ranks']) if m.get('replica_ranks') else 'one process'}, "
+                        f"this capture by target ranks {ranks}")
+        if m["samples"] != samples or m["shard_samples"] != shard_samples:
+            diff.append(f"samples: the cache has {m['samples']} in shards of {m['shard_samples']}, this capture "
+                        f"asks for {samples} in shards of {shard_samples}")
+        if diff:
+            raise _refuse_other(out, diff, "capture into another --out, or add --overwrite to replace it")
+    return sum(p.stat().st_size for p in out.glob("shard-r*.safetensors"))
+
+
+def capture_ranks(plan, out: Path, samples: int | None = None, overwrite: bool = False, progress: bool = True,
+                  device_map=(), stream=None, stage: dict | None = None) -> dict[str, Any] | None:
+    """`capture` under torchrun, on every rank (NOTE [One writer per target rank]): each target rank runs its
+    replica's samples and writes its own shards; the writer rank (the lowest target rank) shows the progress of
+    its own share, gathers every rank's shards and writes manifest.json once. A rank without a target device (the
+    drafter's) only takes part in the gather. Returns, on the writer rank, what was done over all ranks (None on
+    the others). `stage["shared"]` is True until the process group exists (every rank's verdict is the same)."""
+    import torch.distributed as dist
+
+    from ..analysis.capture import merge_parts, replica_ranks
+
+    stream = sys.stderr if stream is None else stream
+    stage = {} if stage is None else stage
+    typed = plan.typed
+    spec = typed.ctx.spec
+    cut = find_cut(typed)
+    ranks = replica_ranks(typed, cut)
+    R = len(ranks)
+    N = samples if samples is not None else capture_bill(plan, out).samples
+    shard_samples = int(spec.capture.get("shard_samples") or 64)
+    sig = graph_signature(plan)
+    kept_bytes = check_rank_directory(out, sig, N, shard_samples, ranks, overwrite)
+    bill = _fitting_bill(plan, out, N, kept_bytes)      # before anything is written or built
+    rank = int(os.environ["RANK"])
+    writer_rank = min(ranks)
+    dist.init_process_group(backend="gloo")      # the ranks exchange only Python objects (the shards' entries)
+    stage["shared"] = False
+    try:
+        if rank == writer_rank:
+            if overwrite:
+                for p in [*out.glob("shard-*.safetensors"), *out.glob("manifest*.json")]:
+                    p.unlink(missing_ok=True)
+            out.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        mine: list[dict] = []
+        stats = {"rank": rank, "forwards": 0, "written": 0, "kept": 0, "rewritten": [], "shards": 0}
+        t0 = time.perf_counter()
+        if rank in ranks:
+            q = ranks.index(rank)
+            writer = CacheWriter(out, sig, N, shard_samples, cut, stored=stored_keys(typed), rank=(rank, q, R))
+            stats["kept"], stats["rewritten"], stats["shards"] = len(writer.kept), writer.rewritten, writer.shards
+            _set_threads(int(spec.train.get("threads", 0)), torch_devices(spec, list(device_map)))
+            from ..analysis.launch import device_for
+
+            devs = tuple(sorted({device_for(typed, n.device, q) for n in typed.graph.nodes
+                                 if set(typed.ctx.devices_of(n.device)) & set(cut.target_devices)}))
+            side = TargetSide(plan, cut, device_map, devices=devs)
+            t0 = time.perf_counter()          # the target side is built: what follows is the capture itself
+            show = progress and rank == writer_rank
+            todo = sum(1 for i in writer.mine if not writer.shard_done(writer.shard_of(i)))
+            if show and writer.kept:
+                print(f"capture: rank {rank}: resuming in {out}: {len(writer.kept)} of {writer.shards} of its shards "
+                      "complete and verified", file=stream, flush=True)
+            for bad in writer.rewritten:
+                print(f"warning: rank {rank}: writing again {bad}", file=stream, flush=True)
+            done = 0
+            for i in range(N):
+                if i % R != q:
+                    side.pass_over()
+                    continue
+                k = writer.shard_of(i)
+                if writer.shard_done(k):
+                    side.advance()
+                    continue
+                writer.add(i, side.sample())
+                done += 1
+                j = writer.mine.index(i)
+                if show and ((j + 1) % shard_samples == 0 or j == len(writer.mine) - 1):
+                    el = time.perf_counter() - t0
+                    print(f"capture: rank {rank} (1 of {R} target ranks): {j + 1}/{len(writer.mine)} of its samples "
+                          f"({N} in all), shard {k + 1}/{writer.shards}, {fmt_bytes(writer.bytes_written)} written, "
+                          f"{done / max(el, 1e-9):.1f} samples/s, ETA {_eta(done, todo, el)}", file=stream, flush=True)
+            mine = list(writer.kept.values())
+            stats["forwards"], stats["written"] = side.forwards, writer.bytes_written
+        stats["seconds"] = time.perf_counter() - t0
+        got = [None] * dist.get_world_size() if rank == writer_rank else None
+        dist.gather_object((mine, stats), got, dst=writer_rank)
+        result = None
+        if rank == writer_rank:
+            parts = {st["rank"]: es for es, st in got if st["rank"] in ranks}
+            m = merge_parts(sig, N, shard_samples, ranks, parts)
+            write_json_atomic(out / MANIFEST, m)         # once, atomically, after every rank's last shard
+            for r in ranks:
+                (out / part_name(r)).unlink(missing_ok=True)
+            _fsync_dir(out)
+            st = [s for _, s in got if s["rank"] in ranks]
+            result = {"samples": N, "shards": sum(s["shards"] for s in st), "kept": sum(s["kept"] for s in st),
+                      "written_bytes": sum(s["written"] for s in st), "bytes": sum(e["bytes"] for e in m["shards"]),
+                      "seconds": max(s["seconds"] for s in st), "target_forwards": sum(s["forwards"] for s in st),
+                      "predicted_bytes": bill.default.total, "rewritten": [b for s in st for b in s["rewritten"]],
+                      "ranks": ranks}
+        dist.barrier()              # every rank ends once the manifest is in place
+        return result
+    finally:
+        dist.destroy_process_group()
 
 
 def _drafter_side_devices(plan, device_map=()) -> dict[str, str]:
@@ -427,13 +600,13 @@ class CacheSource:
                                                  "--out ANOTHER_DIR, then run --hidden-states ANOTHER_DIR")
         self.cut = find_cut(plan.typed)
         self.samples_total = int(m["samples"])
-        entries = sorted(m["shards"], key=lambda e: e["index"])
-        shards = -(-self.samples_total // int(m["shard_samples"]))
-        missing = sorted(set(range(shards)) - {e["index"] for e in entries})
+        # in sample order; from several target ranks, interleaved (NOTE [One writer per target rank])
+        entries = sorted(m["shards"], key=lambda e: e["first"])
+        missing = missing_samples(m)
         if missing:
-            raise GraphError(Problem(f"the cache in {directory} is incomplete: {len(missing)} of {shards} shards were "
-                                     f"never written (first: {shard_name(missing[0])})",
-                                     Location(str(directory / MANIFEST)),
+            raise GraphError(Problem(f"the cache in {directory} is incomplete: {len(missing)} of {self.samples_total} "
+                                     f"samples were never written (first: sample {missing[0]}, in "
+                                     f"{shard_of(m, missing[0])})", Location(str(directory / MANIFEST)),
                                      hint=f"finish it: dflash-graph capture {plan.typed.ctx.spec.file} --out {directory} "
                                           "(writes only what is missing)"))
         self.entries = entries
@@ -445,7 +618,9 @@ class CacheSource:
         self.delivered = 0
         self.passes = 0
         self._it = None
-        self._buf: list[dict[str, torch.Tensor]] = []
+        self._buf: dict[int, dict[str, torch.Tensor]] = {}    # read, by sample; at most one shard per writer
+        self._gone: set[int] = set()        # samples of this pass in bad shards that were skipped
+        self._pos = 0                       # the next sample of this pass
 
     @property
     def drafter_devices(self) -> tuple[str, ...]:
@@ -458,45 +633,52 @@ class CacheSource:
         return iter(torch.utils.data.DataLoader(_Shards(self.dir, self.entries), batch_size=None, shuffle=False,
                                                 collate_fn=_as_is, **kw))
 
-    def _fill(self) -> None:
-        while not self._buf:
-            if self._it is None:
-                self._it = self._loader()
-            try:
-                k, got = next(self._it)
-            except StopIteration:
-                self._it = None
+    def _fill(self) -> int:
+        """Read shards until this pass's next sample is at hand (or skipped); returns that sample's index."""
+        while True:
+            if self._pos >= self.samples_total:        # the pass is over: the next one starts at sample 0
+                self._pos, self._gone = 0, set()
+                self._buf.clear()
                 self.passes += 1
                 if self.read == 0:
                     raise GraphError(Problem(f"no shard of the cache in {self.dir} could be read: "
                                              + "; ".join(self.bad[-3:]), Location(str(self.dir / MANIFEST)),
                                              hint=f"capture again: dflash-graph capture GRAPH --out {self.dir}"))
+                if self._it is not None:
+                    self.close()
+            if self._pos in self._buf:
+                return self._pos
+            if self._pos in self._gone:
+                self._pos += 1
                 continue
+            if self._it is None:
+                self._it = self._loader()
+            k, got = next(self._it)
             e = self.entries[k]
             if isinstance(got, str):
                 if self.on_bad == "stop":
-                    raise GraphError(Problem(f"shard {e['file']} of the cache (samples {e['first']}.."
-                                             f"{e['first'] + e['samples'] - 1}) is bad: {got}", Location(str(self.dir / e['file'])),
+                    raise GraphError(Problem(f"shard {e['file']} of the cache ({samples_text(e)}) is bad: {got}",
+                                             Location(str(self.dir / e['file'])),
                                              hint=f"write it again (only the bad shards are rewritten): dflash-graph "
                                                   f"capture GRAPH --out {self.dir}; or run with --on-bad-shard skip "
                                                   "to train on the others"))
                 self.bad.append(got)
                 self.skipped_samples += e["samples"]
+                self._gone.update(entry_samples(e))
                 print(f"warning: skipped {e['samples']} samples: {got} (--on-bad-shard skip; "
                       f"{self.skipped_samples} skipped so far)", file=sys.stderr, flush=True)
                 continue
             self.read += 1
-            for i in range(e["first"], e["first"] + e["samples"]):
+            for i in entry_samples(e):
                 if self.redrawer is not None:
-                    self._buf.append(_sample(got, i))
+                    self._buf[i] = _sample(got, i)
                 else:
-                    self._buf.append({c.node: _stored(got, i, c) for c in self.cut.crossings})
-            self._buf.reverse()
+                    self._buf[i] = {c.node: _stored(got, i, c) for c in self.cut.crossings}
 
     def next_inbox(self) -> dict[str, torch.Tensor]:
         """The next sample's crossings, by transfer node: what the drafter side's transfers receive."""
-        self._fill()
-        got = self._buf.pop()
+        got = self._buf.pop(self._fill())
+        self._pos += 1
         if self.redrawer is not None:
             got = self.redrawer(got, self.delivered)
         self.delivered += 1
@@ -540,7 +722,7 @@ class HybridSource:
         if (directory / MANIFEST).exists():
             m = read_manifest(directory)
             complete = (not compare_signatures(m["signature"], self.sig) and m["samples"] == self.N and
-                        len(m["shards"]) == -(-self.N // int(m["shard_samples"])))
+                        not missing_samples(m))
         if complete:
             self.reader = CacheSource(plan, directory, *self.opts, sig=self.sig, device_map=device_map)
         else:
