@@ -277,3 +277,116 @@ def test_hybrid_all_rows_equals_from_disk(in_repo, tmp_path):
     assert main(["run", TINY, "--steps", "4", "--out", str(tmp_path / "d"), "--no-progress", *sets,
                  "--hidden-states", str(tmp_path / "c")]) == 0
     assert all(same(a, b) for a, b in zip(metrics(tmp_path / "h"), metrics(tmp_path / "d")))
+
+
+def test_manifest_merge_of_target_ranks(tmp_path):
+    """NOTE [One writer per target rank]: each rank's shards hold every R-th sample; the merged manifest orders
+    them by first sample, names the shard of a sample, and is refused unless every sample is held exactly once."""
+    from dflash_graph.analysis.capture import entry_samples, merge_parts, missing_samples, samples_text, shard_of
+    from dflash_graph.errors import GraphError
+
+    def part(rank, q, n):          # rank's shards of 2 samples, replica q of 2, n samples in all
+        mine = range(q, n, 2)
+        return [{"index": k, "file": f"shard-r{rank}-{k:05d}.safetensors", "first": mine[2 * k],
+                 "samples": len(mine[2 * k:2 * k + 2]), "stride": 2, "rank": rank} for k in range(-(-len(mine) // 2))]
+
+    m = merge_parts({"dims": {}}, 7, 2, [0, 1], {0: part(0, 0, 7), 1: part(1, 1, 7)})
+    assert [e["file"] for e in m["shards"]] == ["shard-r0-00000.safetensors", "shard-r1-00000.safetensors",
+                                                "shard-r0-00001.safetensors", "shard-r1-00001.safetensors"]
+    assert [list(entry_samples(e)) for e in m["shards"]] == [[0, 2], [1, 3], [4, 6], [5]]
+    assert m["replica_ranks"] == [0, 1] and missing_samples(m) == []
+    assert samples_text(m["shards"][2]) == "samples 4..6, every 2th"
+    assert [shard_of(m, i) for i in (5, 6)] == ["shard-r1-00001.safetensors", "shard-r0-00001.safetensors"]
+    assert list(entry_samples({"first": 4, "samples": 2})) == [4, 5]      # one process: consecutive samples
+    with pytest.raises(GraphError, match="hold 4 of 7 samples"):
+        merge_parts({}, 7, 2, [0, 1], {0: part(0, 0, 7)})
+    with pytest.raises(GraphError, match="sample 0 is in two shards"):
+        merge_parts({}, 7, 2, [0, 1], {0: part(0, 0, 7), 1: part(0, 0, 7) + part(1, 1, 7)})
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (torchrun starts its ranks in sessions of their own)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+
+
+@pytest.mark.slow
+def test_capture_under_launch_one_writer_per_target_rank(runs, in_repo, tmp_path):
+    """`launch --nproc-per-node 3 capture` on tiny (t0, t1: target ranks 0 and 1; the drafter's rank 2 writes
+    nothing): rank 1 is killed after its first shard, the launch is run again and resumes each rank's finished
+    shards; the merged manifest verifies, every tensor is the one-process capture's, and a run from the cache in one
+    process gives the online run's losses, step for step."""
+    out = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "dflash_graph", "launch", "--standalone", "--nproc-per-node", "3", "capture", TINY,
+           "--out", str(out), "--samples", "12", "--set", "capture.shard_samples=1", "--set", "train.eval_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        part = out / "manifest-r1.json"
+        deadline = time.monotonic() + 240
+        while not (part.exists() and json.loads(part.read_text())["shards"]):
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() < deadline, "rank 1 never wrote a shard"
+            time.sleep(0.02)
+        victim = next(c for c in _descendants(p.pid) if _rank_of(c) == 1)
+        os.kill(victim, signal.SIGKILL)
+        said, _ = p.communicate(timeout=120)
+    finally:
+        for c in _descendants(p.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert p.returncode != 0, said
+    assert not (out / "manifest.json").exists()         # written once, by the writer rank, when every rank is done
+    kept1 = len(json.loads(part.read_text())["shards"])
+    assert 1 <= kept1 < 6, "the kill came after rank 1 finished"
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "captured 12 samples" in r.stdout and "by target ranks 0, 1: 12 shards" in r.stdout
+    assert "kept from before" in r.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["replica_ranks"] == [0, 1]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", *sorted(e["file"] for e in manifest["shards"])]
+    assert {e["file"] for e in manifest["shards"]} == {f"shard-r{r}-{k:05d}.safetensors" for r in (0, 1)
+                                                       for k in range(6)}
+    for e in manifest["shards"]:
+        assert file_sha256(out / e["file"]) == e["sha256"]
+    # every tensor as the one-process capture wrote it (its samples 0..3)
+    from safetensors.torch import load_file
+    import torch
+
+    mine, ref = {}, {}
+    for e in manifest["shards"]:
+        mine.update(load_file(str(out / e["file"])))
+    for f in (runs / "cache").glob("shard-*.safetensors"):
+        ref.update(load_file(str(f)))
+    assert ref and all(torch.equal(mine[k], v) for k, v in ref.items())
+    # a run from the cache in one process: the online run's losses, step for step
+    assert main(["run", TINY, "--steps", "2", "--out", str(tmp_path / "run"), "--no-progress", "--set",
+                 "train.eval_every=0", "--set", "capture.shard_samples=1", "--hidden-states", str(out)]) == 0
+    assert all(same(a, b) for a, b in zip(metrics(runs / "online"), metrics(tmp_path / "run")))
+    assert len(metrics(tmp_path / "run")) == 2
