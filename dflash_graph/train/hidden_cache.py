@@ -583,6 +583,15 @@ def _stored(tensors: dict[str, torch.Tensor], i: int, c) -> torch.Tensor:
     return dequantize(tensors[key], scale, getattr(torch, c.dtype))
 
 
+def _capture_command(plan, m: dict) -> str:
+    """The command that wrote (and finishes) a cache: a launch when target ranks wrote it."""
+    if not m.get("replica_ranks"):
+        return "dflash-graph capture"
+    from ..analysis.launch import analyze_launch
+
+    return f"dflash-graph launch --nproc-per-node {analyze_launch(plan.typed).world_size} capture"
+
+
 class CacheSource:
     """Where the drafter side's inputs come from in `run --hidden-states DIR`: the cache's samples in order, as
     the receives of the drafter side's transfers (NOTE [Sample order])."""
@@ -607,8 +616,8 @@ class CacheSource:
             raise GraphError(Problem(f"the cache in {directory} is incomplete: {len(missing)} of {self.samples_total} "
                                      f"samples were never written (first: sample {missing[0]}, in "
                                      f"{shard_of(m, missing[0])})", Location(str(directory / MANIFEST)),
-                                     hint=f"finish it: dflash-graph capture {plan.typed.ctx.spec.file} --out {directory} "
-                                          "(writes only what is missing)"))
+                                     hint=f"finish it: {_capture_command(plan, m)} {plan.typed.ctx.spec.file} --out "
+                                          f"{directory} (writes only what is missing)"))
         self.entries = entries
         self.on_bad = on_bad_shard
         self.workers, self.prefetch = workers, prefetch
