@@ -191,7 +191,7 @@ class CacheWriter:
                     self.kept[e["index"]] = e
                 else:
                     self.rewritten.append(bad)
-        for stale in self.dir.glob(f".shard-r{rank}-*.tmp*"):
+        for stale in [*self.dir.glob(f".shard-r{rank}-*.tmp*"), *self.dir.glob(f".{part_name(rank)}.tmp*")]:
             stale.unlink(missing_ok=True)
         self.manifest = new_manifest(sig, self.samples, self.shard_samples)
         self.manifest["rank"] = rank
