@@ -588,30 +588,6 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return m
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write to a temporary beside `path`, fsync, rename over: a kill leaves the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def safetensors_header(path: Path) -> dict[str, Any]:
     """A safetensors file's header, read as JSON without torch (8 bytes of little-endian length, then JSON)."""
     with open(path, "rb") as f:

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .durable import fsync_dir, fsync_file
+
 FORMAT = "dflash-graph checkpoint 2"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 HOOK_ENV = "DFLASH_GRAPH_SAVE_HOOK"
@@ -66,27 +68,6 @@ def _reached(point: str, step: int) -> None:
         import threading
 
         threading.Timer(float(what[1:]), os.kill, (os.getpid(), signal.SIGKILL)).start()
-
-
-def _fsync_file(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(p: Path) -> None:
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _sha256(p: Path) -> str:
@@ -256,13 +237,13 @@ def save(dirpath: Path, step: int, drafters: dict[str, torch.nn.Module], optimiz
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _reached("renamed", step)
     _point_latest(dirpath, final, step)
     _reached("linked", step)
     for old in _steps(dirpath)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(root)
+    fsync_dir(root)
     _reached("pruned", step)
     return dirpath / "checkpoint"
 
@@ -287,12 +268,12 @@ def _write_step(tmp: Path, step: int, drafters, optimizer, scheduler, data_state
     files.append("state.json")
     _reached("state-written", step)
     for f in files:
-        _fsync_file(tmp / f)
+        fsync_file(tmp / f)
     manifest = {"format": FORMAT, "step": step,
                 "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in files}}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    _fsync_file(tmp / "manifest.json")
-    _fsync_dir(tmp)
+    fsync_file(tmp / "manifest.json")
+    fsync_dir(tmp)
     _reached("manifest-written", step)
 
 
@@ -308,7 +289,7 @@ def _point_latest(dirpath: Path, final: Path, step: int) -> None:
     tmp.symlink_to(final.relative_to(dirpath))
     _reached("link-made", step)
     os.replace(tmp, link)
-    _fsync_dir(dirpath)
+    fsync_dir(dirpath)
 
 
 def _steps(dirpath: Path) -> list[Path]:

@@ -29,9 +29,10 @@ import torch
 from ..analysis.capture import (MANIFEST, Cut, capture_bill, redraw, storage_of, compare_signatures, entry_samples,
                                 file_sha256, find_cut, json_safe, missing_samples, new_manifest, part_name,
                                 rank_samples, read_manifest, refuse_unless_fits, samples_text, shard_name, shard_of,
-                                shard_problem, signature, tensor_key, weights_files, write_json_atomic, _fsync_dir)
+                                shard_problem, signature, tensor_key, weights_files)
 from ..analysis.launch import replicas
 from ..errors import GraphError, Location, Problem
+from .durable import fsync_dir, write_json_atomic
 from ..ir.graph import Ref
 from ..exec.devices import torch_devices
 from ..exec.interpreter import Interpreter
@@ -118,7 +119,7 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int
     digest = file_sha256(tmp)
     size = tmp.stat().st_size
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return digest, size
 
 
@@ -482,7 +483,7 @@ def capture_ranks(plan, out: Path, samples: int | None = None, overwrite: bool =
             write_json_atomic(out / MANIFEST, m)         # once, atomically, after every rank's last shard
             for r in ranks:
                 (out / part_name(r)).unlink(missing_ok=True)
-            _fsync_dir(out)
+            fsync_dir(out)
             st = [s for _, s in got if s["rank"] in ranks]
             result = {"samples": N, "shards": sum(s["shards"] for s in st), "kept": sum(s["kept"] for s in st),
                       "written_bytes": sum(s["written"] for s in st), "bytes": sum(e["bytes"] for e in m["shards"]),
