@@ -250,6 +250,11 @@ def render_table(rows: list[dict[str, Any]], predicted: dict[str, Any] | None) -
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("accept per slot: how often slot k is accepted when slots 1..k-1 were; speed-up: target-only "
+                 "decoding's time over speculative decoding's, both with the target's KV cache")
+    if any(r["speedup"] is not None and r["speedup"] < 1 for r in rows):
+        lines.append("a speed-up below 1x: a round (the drafter's forward and a verify forward of the block) costs "
+                     "more here than the tokens per target forward it yields (docs/drafter.md, \"Acceptance length\")")
     if predicted is not None:
         lines.append(f"training predicted tau {predicted['tau']} (held-out, step {predicted['step']}; "
                      "metrics.jsonl)")
@@ -315,11 +320,12 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        what = "held-out prompts" if not args.bench else f"{len(rows)} benchmark file(s)"
+        what = (f"{rows[0]['prompts']} held-out prompts" if not args.bench
+                else f"{len(rows)} benchmark file(s), up to {args.prompts} prompts each")
         temp = rows[0].get("temperature")           # measure's, when it samples
         verify = "greedy verification" if not temp else f"sampled verification at temperature {temp}" + (
             f", top-p {rows[0]['top_p']}" if rows[0].get("top_p") not in (None, 1, 1.0) else "")
-        print(f"{spec.name}: speculative decoding of {what}, up to {args.prompts} prompts each, up to "
+        print(f"{spec.name}: speculative decoding of {what}, up to "
               f"{args.max_new_tokens} new tokens, block {block}, {verify}, against target-only decoding")
         print(render_table(rows, predicted))
     return 0 if all(r["lossless"] is not False for r in rows) else 1
