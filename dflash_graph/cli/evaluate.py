@@ -206,12 +206,46 @@ def _flags(args) -> None:
                                  Location(flag=f"--bench-format {args.bench_format}"),
                                  hint="add --bench FILE, or drop --bench-format"))
     check_sampling(args.temperature, args.top_p, args.seed)
+    template_kwargs(args)
 
 
-def _bench_prompts(args, spec) -> tuple[list[tuple[str, str, str, list[list[int]]]], int | None]:
-    """(name, file, format, token-id prompts) per --bench file, through the chat template of the tokenizer the
-    graph's [data] uses; and that tokenizer's eos id."""
-    from ..train.bench import bench_name, prompt_ids, read_bench
+def template_kwargs(args) -> tuple[dict[str, Any], dict[str, str]]:
+    """The --chat-template-kwarg KEY=VALUE values (VALUE read as JSON when it is JSON: `false`, `3`, `"x"`;
+    otherwise as the text written) and --no-thinking (enable_thinking=false), with each key's flag as written;
+    a located error (exit 2) for a malformed one, a key given twice, or one given without --bench."""
+    out: dict[str, Any] = {}
+    flags: dict[str, str] = {}
+    given = [(f"--chat-template-kwarg {kv}", kv) for kv in getattr(args, "chat_template_kwarg", None) or []]
+    if getattr(args, "no_thinking", False):
+        given.append(("--no-thinking", "enable_thinking=false"))
+    for flag, kv in given:
+        key, eq, raw = kv.partition("=")
+        key = key.strip()
+        if not eq or not key.isidentifier():
+            raise GraphError(Problem("not KEY=VALUE with KEY a template variable's name", Location(flag=flag),
+                                     expected="KEY=VALUE", actual=kv, hint="e.g. --chat-template-kwarg "
+                                                                            "enable_thinking=false"))
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        if key in out and out[key] != value:
+            raise GraphError(Problem(f"{key} is given twice, with different values", Location(flag=flag),
+                                     expected=f"{key}={json.dumps(out[key])} (from {flags[key]})",
+                                     actual=f"{key}={json.dumps(value)}", hint="give each template variable once"))
+        out[key], flags[key] = value, flag
+    if out and not getattr(args, "bench", None):
+        raise GraphError(Problem("chat template values apply to --bench prompts, which go through the chat "
+                                 "template; held-out prompts are token ids of the corpus", Location(flag=given[0][0]),
+                                 hint="add --bench FILE, or drop the flag"))
+    return out, flags
+
+
+def _bench_prompts(args, spec) -> tuple[list[tuple[str, str, str, list]], int | None]:
+    """(name, file, format, dialogues to ask through the chat template) per --bench file, with the tokenizer the
+    graph's [data] uses and the --chat-template-kwarg values (each refused when the template does not read it);
+    and that tokenizer's eos id."""
+    from ..train.bench import bench_name, chats, read_bench, template_kwargs_problems
     from ..train.corpus import load_tokenizer
 
     base = Path(spec.data.get("_base", "."))
@@ -221,11 +255,16 @@ def _bench_prompts(args, spec) -> tuple[list[tuple[str, str, str, list[list[int]
                                  hint='[data] tokenizer = the target\'s tokenizer.json (or its directory)'))
     ct = spec.data.get("chat_template")
     tok = load_tokenizer(base / spec.data["tokenizer"], base / ct if ct else None)
+    kwargs, flags = template_kwargs(args)
+    source = f"[data] chat_template = {ct}" if ct else f"the chat template of [data] tokenizer = {spec.data['tokenizer']}"
+    problems = template_kwargs_problems(tok, kwargs, flags, source)
+    if problems:
+        raise GraphError(problems)
     taken: set[str] = set()
     out = []
     for f in args.bench:
-        fmt, convs = read_bench(Path(f), args.prompts, args.bench_format)
-        out.append((bench_name(Path(f), taken), f, fmt, prompt_ids(tok, convs, f)))
+        fmt, dialogues = read_bench(Path(f), args.prompts, args.bench_format)
+        out.append((bench_name(Path(f), taken), f, fmt, chats(tok, dialogues, f, kwargs)))
     return out, tok.eos_token_id
 
 
@@ -237,14 +276,15 @@ def _row(name: str, fmt: str, file: str | None, res: dict[str, Any]) -> dict[str
 
 def render_table(rows: list[dict[str, Any]], predicted: dict[str, Any] | None) -> str:
     """One line per benchmark: tau, the accept rate of each slot, tokens per target forward, speed-up, lossless."""
-    head = ["benchmark", "prompts", "tau", "accept per slot", "tok/fwd", "decode tok/s (spec/target)", "speed-up",
-            "lossless"]
-    body = [[r["name"], str(r["prompts"]), "-" if r["tau"] is None else f"{r['tau']:.2f}",
+    head = ["benchmark", "prompts", "turns", "tau", "accept per slot", "tok/fwd", "decode tok/s (spec/target)",
+            "speed-up", "lossless"]
+    body = [[r["name"], str(r["prompts"]), str(r.get("turns", r["prompts"])),
+             "-" if r["tau"] is None else f"{r['tau']:.2f}",
              " ".join("-" if a is None else f"{a:.2f}" for a in r["accept_per_slot"]),
              f"{r['tokens_per_target_forward']:.2f}",
              f"{r.get('speculative_decode_tokens_per_s', '-')}/{r.get('greedy_decode_tokens_per_s', '-')}",
              "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-             f"{r['identical_to_greedy']}/{r['prompts']}" if r.get("identical_to_greedy") is not None
+             f"{r['identical_to_greedy']}/{r.get('turns', r['prompts'])}" if r.get("identical_to_greedy") is not None
              else ("in distribution" if r["lossless"] is None else str(r["lossless"]))]
             for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
@@ -252,6 +292,14 @@ def render_table(rows: list[dict[str, Any]], predicted: dict[str, Any] | None) -
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("accept per slot: how often slot k is accepted when slots 1..k-1 were; speed-up: target-only "
                  "decoding's time over speculative decoding's, both with the target's KV cache")
+    if any(r.get("turns", r["prompts"]) != r["prompts"] for r in rows):
+        lines.append("turns: the decodes of a row; a multi-turn prompt asks each turn after the answer decoded for the "
+                     "one before, and every figure counts every turn")
+    for r in rows:
+        for d in r.get("divergences") or ():
+            lines.append(f"{r['name']}: prompt {d['prompt'] + 1} turn {d['turn']}: greedy speculative decoding "
+                         "differed from target-only decoding; its later turns were asked after each side's own "
+                         "answer and are not counted identical")
     if any(r["speedup"] is not None and r["speedup"] < 1 for r in rows):
         lines.append("a speed-up below 1x: a round (the drafter's forward and a verify forward of the block) costs "
                      "more here than the tokens per target forward it yields (docs/drafter.md, \"Acceptance length\")")
@@ -291,8 +339,9 @@ def cmd_eval(args) -> int:
 
     require_paths(spec, "run")          # eval reads what run reads: the target's weights, corpus, tokenizer
     benches, eos = _bench_prompts(args, spec) if args.bench else ([], None)
-    longest = max((len(p) for *_, ps in benches for p in ps), default=0)
-    if longest > args.prompt_tokens:    # a benchmark's prompts are longer than the first check assumed
+    # a benchmark's longest prompt (a later turn's estimated: earlier answers at --max-new-tokens each)
+    longest = max((c.longest(args.max_new_tokens) for *_, cs in benches for c in cs), default=0)
+    if longest > args.prompt_tokens:    # longer than the first check assumed
         mem = memory_problem(plan, drafter, target, args.device, longest + args.max_new_tokens + block, host_memory)
         if mem:
             raise GraphError(mem)
@@ -311,17 +360,23 @@ def cmd_eval(args) -> int:
         eos = held.eos
         benches = [("held-out", None, "held-out", held_out_prompts(held, args.prompts, args.prompt_tokens))]
     dec = Decoder(tr.target, tr.drafter, tr.dims.target_layer_ids, int(tr.dims.block_size), eos)
-    rows = [_row(name, fmt, f, measure(dec, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed)) for name, f, fmt, prompts in benches]
+    rows = [_row(name, fmt, f, measure(dec, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed))
+            for name, f, fmt, prompts in benches]
     predicted = heldout_tau(ckpt)
     res: dict[str, Any] = {"graph": spec.name, "checkpoint": str(ckpt), "max_new_tokens": args.max_new_tokens,
                            "block": block, "predicted_tau": predicted, "benchmarks": rows}
-    if not args.bench:      # the held-out row's figures at the top level too, as before --bench
+    if args.bench:
+        res["chat_template_kwargs"] = template_kwargs(args)[0]
+    else:                   # the held-out row's figures at the top level too, as before --bench
         res.update({k: v for k, v in rows[0].items() if k not in ("name", "format", "file")})
     if args.json:
         print(json.dumps(res))
     else:
         what = (f"{rows[0]['prompts']} held-out prompts" if not args.bench
                 else f"{len(rows)} benchmark file(s), up to {args.prompts} prompts each")
+        kw = res.get("chat_template_kwargs")
+        if kw:
+            what += " (chat template with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in kw.items()) + ")"
         temp = rows[0].get("temperature")           # measure's, when it samples
         verify = "greedy verification" if not temp else f"sampled verification at temperature {temp}" + (
             f", top-p {rows[0]['top_p']}" if rows[0].get("top_p") not in (None, 1, 1.0) else "")

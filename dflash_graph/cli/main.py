@@ -167,12 +167,19 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu", help="torch device for the target and the drafter (default cpu)")
     ev.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ev.add_argument("--bench", action="append", default=[], metavar="FILE",
-                    help="a local JSONL benchmark file (MT-Bench, GSM8K, HumanEval, MBPP, MATH500, {\"messages\"} or "
+                    help="a local JSONL benchmark file (MT-Bench, every turn; GSM8K, HumanEval, MBPP, MATH500, {\"messages\"} or "
                          "{\"prompt\"} records; repeatable: one row each); its first --prompts records go through "
                          "the target's chat template (default: held-out prompts of the corpus)")
     ev.add_argument("--bench-format", default=None,
                     choices=tuple(BENCH_FORMATS),
                     help="the --bench files' record format (default: detected from each file's keys)")
+    ev.add_argument("--chat-template-kwarg", action="append", default=[], metavar="KEY=VALUE",
+                    help="a variable for the target's chat template when it renders --bench prompts (VALUE as JSON "
+                         "when it is: false, 3, \"x\"; repeatable), e.g. enable_thinking=false; refused when the "
+                         "template does not read KEY")
+    ev.add_argument("--no-thinking", action="store_true",
+                    help="--chat-template-kwarg enable_thinking=false: Qwen3's chat-template switch that asks for an "
+                         "answer without a thinking block")
     ev.add_argument("--host-memory", metavar="SIZE", help="the memory eval may use on a CPU device, e.g. 64GiB "
                                                           "(default: MemAvailable here)")
     ev.add_argument("--temperature", type=float, default=0.0,

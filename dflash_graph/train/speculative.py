@@ -28,7 +28,8 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -206,60 +207,103 @@ def _rate(tokens: int, seconds: float) -> float | None:
     return round(tokens / seconds, 2) if seconds > 0 else None
 
 
-def measure(dec: Decoder, prompts: list[list[int]], max_new: int, temperature: float = 0.0, top_p: float = 1.0,
-            seed: int = 0, clock=time.perf_counter) -> dict[str, Any]:
+class Turns(Protocol):
+    """A prompt asked over several turns (train/bench.py's ``Chat``): ``ids(answers)`` is the prompt of turn
+    len(answers) + 1 after the token ids decoded for the earlier turns."""
+    turns: int
+
+    def ids(self, answers: Sequence[Sequence[int]]) -> list[int]: ...
+
+
+def _asked(item: Sequence[int] | Turns) -> tuple[int, Callable[[list[list[int]]], list[int]]]:
+    """(turns, the prompt of the next turn given the earlier answers) of a prompt (token ids: one turn) or a
+    dialogue."""
+    if isinstance(item, (list, tuple)):
+        return 1, lambda _answers: list(item)
+    return item.turns, item.ids
+
+
+def measure(dec: Decoder, prompts: Sequence[Sequence[int] | Turns], max_new: int, temperature: float = 0.0,
+            top_p: float = 1.0, seed: int = 0, clock=time.perf_counter) -> dict[str, Any]:
     """Speculative and target-only decoding of every prompt, side by side, both with the target's KV cache:
     acceptance length, tokens per target forward, wall time and decode tokens/s, and losslessness.
 
+    A prompt is token ids (one turn) or a dialogue (``Turns``): its turns are decoded in order, each side asking
+    turn k + 1 after the answer it decoded itself for turn k (train/bench.py, NOTE [Multi-turn]); every figure
+    counts every turn. Greedy decoding is lossless, so both sides ask the same turn k + 1 (asserted while their
+    answers are equal); if their answers to turn k differ, that is reported in ``divergences`` ({"prompt",
+    "turn"}, 1-based turn) and each side goes on with its own conversation, whose later turns do not count as
+    identical. Sampled, each side always goes on with its own.
+
     ``greedy_*`` keys are target-only decoding's (greedy at temperature 0, sampled above). Prompt i is decoded by
-    both with generators seeded ``seed + i``. ``lossless``: at temperature 0, every output equals target-only
-    greedy decoding (``identical_to_greedy`` of ``prompts``); above it, None: sampled outputs are equal to
-    target-only sampling only in distribution, not token for token (the two consume the generator differently),
-    so there is nothing to compare per prompt; the chi-square test in tests/test_speculative.py is the proof.
-    ``*_decode_tokens_per_s``: tokens after the first over the time after the prompt's forward;
-    ``decode_speedup``: their ratio; ``speedup``: the whole decodes' wall times' ratio. ``clock``: what times them
-    (wall time; benchmarks/decode_speedup.py passes ``time.process_time``, steadier on a shared CPU)."""
+    both with generators seeded ``seed + i`` (one per side, through its turns). ``turns``: the decodes per side.
+    ``lossless``: at temperature 0, every turn's output equals target-only greedy decoding
+    (``identical_to_greedy`` of ``turns``); above it, None: sampled outputs are equal to target-only sampling only
+    in distribution, not token for token (the two consume the generator differently), so there is nothing to
+    compare per prompt; the chi-square test in tests/test_speculative.py is the proof. ``lossless_per_prompt``:
+    each prompt's turns all identical. ``*_decode_tokens_per_s``: tokens after the first of each turn over the time
+    after each turn's prompt forward; ``decode_speedup``: their ratio; ``speedup``: the whole decodes' wall times'
+    ratio. ``clock``: what times them (wall time; benchmarks/decode_speedup.py passes ``time.process_time``,
+    steadier on a shared CPU)."""
     sampling = Sampling(temperature, top_p)
     dev = dec.head.weight.device
     dec.clock = clock
     accepted: list[int] = []
-    spec_tokens = tgt_tokens = spec_forwards = tgt_forwards = 0
+    spec_tokens = tgt_tokens = spec_forwards = tgt_forwards = decodes = identical = 0
     spec_s = tgt_s = spec_decode_s = tgt_decode_s = 0.0
     same: list[bool | None] = []
-    for i, p in enumerate(prompts):
-        dec.forwards = 0
-        gen = torch.Generator(dev).manual_seed(seed + i)
-        t0 = clock()
-        out_s, acc = dec.speculative(p, max_new, sampling, gen)
-        spec_s += (dt := clock() - t0)
-        spec_decode_s += dt - dec.prefill_seconds
-        spec_forwards += dec.forwards
-        dec.forwards = 0
-        gen = torch.Generator(dev).manual_seed(seed + i)
-        t0 = clock()
-        out_t = dec.target_only(p, max_new, sampling, gen)
-        tgt_s += (dt := clock() - t0)
-        tgt_decode_s += dt - dec.prefill_seconds
-        tgt_forwards += dec.forwards
-        accepted += acc
-        spec_tokens += len(out_s)
-        tgt_tokens += len(out_t)
-        same.append(out_s == out_t if sampling.greedy else None)
+    divergences: list[dict[str, int]] = []
+    for i, item in enumerate(prompts):
+        turns, ask = _asked(item)
+        gen_s, gen_t = torch.Generator(dev).manual_seed(seed + i), torch.Generator(dev).manual_seed(seed + i)
+        answers_s: list[list[int]] = []
+        answers_t: list[list[int]] = []
+        agree = True                                  # greedy: every answer so far equal on both sides
+        for k in range(turns):
+            p_s, p_t = ask(answers_s), ask(answers_t)
+            if sampling.greedy and agree and p_s != p_t:
+                raise AssertionError(f"prompt {i}, turn {k + 1}: equal answers rendered as different prompts")
+            dec.forwards = 0
+            t0 = clock()
+            out_s, acc = dec.speculative(p_s, max_new, sampling, gen_s)
+            spec_s += (dt := clock() - t0)
+            spec_decode_s += dt - dec.prefill_seconds
+            spec_forwards += dec.forwards
+            dec.forwards = 0
+            t0 = clock()
+            out_t = dec.target_only(p_t, max_new, sampling, gen_t)
+            tgt_s += (dt := clock() - t0)
+            tgt_decode_s += dt - dec.prefill_seconds
+            tgt_forwards += dec.forwards
+            accepted += acc
+            spec_tokens += len(out_s)
+            tgt_tokens += len(out_t)
+            decodes += 1
+            answers_s.append(out_s)
+            answers_t.append(out_t)
+            if sampling.greedy and agree:
+                if out_s == out_t:
+                    identical += 1
+                else:
+                    agree = False
+                    divergences.append({"prompt": i, "turn": k + 1})
+        same.append(agree if sampling.greedy else None)
     B = dec.block
     counts = [len(accepted)] + [sum(1 for a in accepted if a >= k) for k in range(1, B)]
     from .metrics import acceptance
 
     m = acceptance(counts)
-    spec_rate = _rate(spec_tokens - len(prompts), spec_decode_s)
-    tgt_rate = _rate(tgt_tokens - len(prompts), tgt_decode_s)
-    identical = sum(1 for s in same if s) if sampling.greedy else None
-    return {"prompts": len(prompts), "rounds": len(accepted), "tau": m["tau"], "slot_accept": m["slot_accept"],
+    spec_rate = _rate(spec_tokens - decodes, spec_decode_s)
+    tgt_rate = _rate(tgt_tokens - decodes, tgt_decode_s)
+    return {"prompts": len(prompts), "turns": decodes, "rounds": len(accepted), "tau": m["tau"],
+            "slot_accept": m["slot_accept"],
             "tokens": spec_tokens, "tokens_per_target_forward": round(spec_tokens / max(spec_forwards, 1), 4),
             "greedy_tokens_per_target_forward": round(tgt_tokens / max(tgt_forwards, 1), 4),
             "speculative_seconds": round(spec_s, 3), "greedy_seconds": round(tgt_s, 3),
             "speedup": round(tgt_s / spec_s, 3) if spec_s > 0 else None,
             "speculative_decode_tokens_per_s": spec_rate, "greedy_decode_tokens_per_s": tgt_rate,
             "decode_speedup": round(spec_rate / tgt_rate, 3) if spec_rate and tgt_rate else None,
-            "identical_to_greedy": identical,
-            "lossless": (identical == len(prompts)) if sampling.greedy else None, "lossless_per_prompt": same,
+            "identical_to_greedy": identical if sampling.greedy else None,
+            "lossless": (identical == decodes) if sampling.greedy else None, "lossless_per_prompt": same,
+            "divergences": divergences,
             "temperature": temperature, "top_p": top_p, "seed": seed, "kv_cache": True, "block": B}
