@@ -1,6 +1,8 @@
 """`eval --bench`: every shipped sample file (graphs/tiny/bench/, one per published benchmark format) is read in its
-format and rendered through the target's chat template; a file of no known format is refused at its line with the
-keys it has; and eval refuses, before it builds any model, a graph that differs from the run's (block,
+format and rendered through the target's chat template; MT-Bench is asked turn by turn, each turn after the answer
+each side decoded (greedy: both sides ask the same turns and give the same answers; a divergence is reported); a
+file of no known format is refused at its line with the keys it has; --chat-template-kwarg reaches the template and
+is refused when the template does not read it; and eval refuses, before it builds any model, a graph that differs from the run's (block,
 target_layer_ids, ...), bad flags, and a target that does not fit the device (the 27B graph on this host)."""
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import pytest
 
 from dflash_graph.cli.main import main
 from dflash_graph.errors import GraphError
-from dflash_graph.train.bench import BY_NAME, FORMATS, detect, heldout_tau, prompt_ids, read_bench
+from dflash_graph.train.bench import BY_NAME, FORMATS, Chat, chats, detect, heldout_tau, read_bench
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "graphs" / "tiny" / "bench"
@@ -42,30 +44,48 @@ def test_a_sample_file_ships_for_every_format():
 
 @pytest.mark.parametrize("name", sorted(FIRST_TURN))
 def test_each_sample_file_is_read_in_its_format_and_templated(name, tok):
-    fmt, convs = read_bench(BENCH / f"{name}.jsonl", 100)
+    fmt, dialogues = read_bench(BENCH / f"{name}.jsonl", 100)
     lines = [json.loads(x) for x in (BENCH / f"{name}.jsonl").read_text().splitlines() if x.strip()]
-    assert fmt == name and len(convs) == len(lines)
-    assert convs[0][-1]["role"] == "user" and convs[0][-1]["content"].startswith(FIRST_TURN[name])
-    for rec, conv in zip(lines, convs):     # the reference answer is never part of the prompt
+    assert fmt == name and len(dialogues) == len(lines)
+    first = dialogues[0].conversation([])
+    assert first[-1]["role"] == "user" and first[-1]["content"].startswith(FIRST_TURN[name])
+    for rec, d in zip(lines, dialogues):     # the reference answer is never part of the prompt
+        text = " ".join([c for _, c in d.history] + list(d.turns))
         for key in ("answer", "solution", "code", "canonical_solution"):
             if isinstance(rec.get(key), str) and len(rec[key]) > 3:
-                assert rec[key] not in " ".join(m["content"] for m in conv)
-    assert read_bench(BENCH / f"{name}.jsonl", 1)[1] == convs[:1]            # --prompts N: the first N records
-    ids = prompt_ids(tok, convs, name)
-    text = tok.decode(ids[0])
+                assert rec[key] not in text
+    assert read_bench(BENCH / f"{name}.jsonl", 1)[1] == dialogues[:1]        # --prompts N: the first N records
+    ids = chats(tok, dialogues, name)[0].ids()
+    text = tok.decode(ids)
     # the chat template's rendering with the generation prompt: the user turn, then the assistant's cue
-    assert text == tok.apply_chat_template(convs[0], tokenize=False, add_generation_prompt=True)
+    assert text == tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
     assert text.endswith("assistant:") and "user: " in text
 
 
-def test_mtbench_decodes_the_first_turn_only():
-    _, convs = read_bench(BENCH / "mtbench.jsonl", 10)
-    assert all(len(c) == 1 for c in convs)
+def test_mtbench_asks_every_turn_after_the_answer_decoded_for_the_one_before(tok):
+    _, dialogues = read_bench(BENCH / "mtbench.jsonl", 10)
+    recs = [json.loads(x) for x in (BENCH / "mtbench.jsonl").read_text().splitlines()]
+    assert [list(d.turns) for d in dialogues] == [r["turns"] for r in recs] and all(len(r["turns"]) == 2 for r in recs)
+    chat = chats(tok, dialogues, "mtbench")[1]
+    answer = tok("Fifteen.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]     # as decoded: eos last
+    conv = chat.conversation([answer])
+    # turn 2 (FastChat's gen_model_answer.py): turn 1, the answer decoded for it as the assistant message (special
+    # tokens removed, stripped), then turn 2, rendered with the generation prompt
+    assert conv == [{"role": "user", "content": "What is seven plus eight?"},
+                    {"role": "assistant", "content": "Fifteen."},
+                    {"role": "user", "content": "And what is that minus 5?"}]
+    assert tok.decode(chat.ids([answer])) == ("user: What is seven plus eight?\nassistant: Fifteen.\n"
+                                             "user: And what is that minus 5?\nassistant:")
+    assert chat.turns == 2 and chat.longest(10) == len(chat.ids([[]])) + 10
+    with pytest.raises(IndexError):
+        chat.conversation([answer, answer])
 
 
-def test_messages_end_at_the_last_user_message():
-    _, convs = read_bench(BENCH / "messages.jsonl", 10)
-    assert [m["role"] for m in convs[1]] == ["user", "assistant", "user"]
+def test_messages_are_asked_once_after_the_last_user_message():
+    _, dialogues = read_bench(BENCH / "messages.jsonl", 10)
+    assert [m["role"] for m in dialogues[1].conversation([])] == ["user", "assistant", "user"]
+    assert dialogues[1].turns == ("Tell me about the owl.",)
+    assert dialogues[1].history[1] == ("assistant", "6 minus 2 is 4.")        # the record's own answer: history
 
 
 def test_detection_prefers_the_specific_format():
@@ -232,3 +252,131 @@ def test_graph_keys_compare_by_value_not_by_how_they_are_written():
             "dims.tokens": "anchors * block", "dims.anchors": 16}
     assert [_resolve(flat, v) for v in ("vocab - 1", "block", "tokens", 7)] == [767, 4, 64, 7]
     assert _resolve(flat, "silu") == "silu" and _resolve(flat, "block // 0") == "block // 0"
+
+
+# ------------------------------------------------------------------------------------------ multi-turn decoding
+class Asked(Chat):
+    """A Chat that records each prompt asked: (the answers it was asked after, the conversation)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.asked: list[tuple[list[list[int]], list[dict]]] = []
+
+    def ids(self, answers=()):
+        self.asked.append(([list(a) for a in answers], self.conversation(answers)))
+        return super().ids(answers)
+
+
+def test_greedy_multi_turn_speculative_decoding_asks_and_answers_the_same_turns(tok):
+    import torch
+
+    from dflash_graph.train.speculative import Decoder, measure
+    from test_speculative import _models
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target, drafter = _models("tiny.toml")
+        dec = Decoder(target, drafter, [1, 3], 4, tok.eos_token_id)
+        _, dialogues = read_bench(BENCH / "mtbench.jsonl", 2)
+        asked = [Asked(tok, d) for d in dialogues]
+        res = measure(dec, asked, 12)
+    finally:
+        torch.set_num_threads(n)
+    assert (res["prompts"], res["turns"], res["identical_to_greedy"]) == (2, 4, 4)
+    assert res["lossless"] is True and res["divergences"] == [] and res["lossless_per_prompt"] == [True, True]
+    assert res["rounds"] >= 4 and res["tokens"] > 4
+    for chat in asked:
+        # per turn, speculative then target-only: the same prompt on both sides
+        (a1, c1), (b1, d1), (a2, c2), (b2, d2) = chat.asked
+        assert a1 == b1 == [] and c1 == d1 == [{"role": "user", "content": chat.dialogue.turns[0]}]
+        assert a2 == b2 and len(a2) == 1 and c2 == d2          # turn 2 after the same answer to turn 1
+        assert c2[1] == {"role": "assistant", "content": tok.decode(a2[0], skip_special_tokens=True).strip()}
+        assert c2[1]["content"] and c2[2] == {"role": "user", "content": chat.dialogue.turns[1]}
+
+
+class _Scripted:
+    """A decoder of scripted outputs (no model): each call returns its side's next output; measure's bookkeeping
+    is what is under test."""
+
+    def __init__(self, spec_out, target_out):
+        import torch
+
+        self.head = torch.nn.Linear(1, 1)
+        self.block, self.forwards, self.prefill_seconds = 4, 0, 0.0
+        self.spec_out, self.target_out = list(spec_out), list(target_out)
+
+    def speculative(self, prompt, max_new, sampling, gen):
+        self.forwards = 2
+        return self.spec_out.pop(0), [1]
+
+    def target_only(self, prompt, max_new, sampling, gen):
+        self.forwards = 3
+        return self.target_out.pop(0)
+
+
+def test_a_greedy_divergence_is_reported_and_each_side_goes_on_with_its_own_answer(tok):
+    from dflash_graph.train.speculative import measure
+
+    _, dialogues = read_bench(BENCH / "mtbench.jsonl", 2)
+    asked = [Asked(tok, d) for d in dialogues]
+    five, six, seven = (tok(w, add_special_tokens=False)["input_ids"] for w in ("five", "six", "seven"))
+    # prompt 1: both sides agree on both turns; prompt 2: they differ at turn 1, then give the same text at turn 2
+    dec = _Scripted([five, five, six, seven], [five, five, seven, seven])
+    res = measure(dec, asked, 8)
+    assert res["divergences"] == [{"prompt": 1, "turn": 1}] and res["lossless"] is False
+    assert (res["turns"], res["identical_to_greedy"]) == (4, 2) and res["lossless_per_prompt"] == [True, False]
+    (_, _), (_, _), (a2, c2), (b2, d2) = asked[1].asked
+    assert a2 == [six] and b2 == [seven] and c2[1]["content"] == "six" and d2[1]["content"] == "seven"
+    # sampled: no per-turn comparison, each side always asks after its own answer
+    asked = [Asked(tok, dialogues[0])]
+    res = measure(_Scripted([five, five], [six, six]), asked, 8, temperature=0.7)
+    assert res["divergences"] == [] and res["identical_to_greedy"] is None and res["turns"] == 2
+    assert asked[0].asked[2][1][1]["content"] == "five" and asked[0].asked[3][1][1]["content"] == "six"
+
+
+# ------------------------------------------------------------------------------------ chat template variables
+QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+              "{% endif %}")
+
+
+def test_a_chat_template_variable_reaches_the_template_the_way_qwen3s_switch_does(tok):
+    from copy import deepcopy
+
+    from dflash_graph.train.bench import template_kwargs_problems, template_variables
+
+    assert "enable_thinking" in template_variables(QWEN3_LIKE)
+    qwen = deepcopy(tok)
+    qwen.chat_template = QWEN3_LIKE
+    _, dialogues = read_bench(BENCH / "math500.jsonl", 1)
+    flags = {"enable_thinking": "--no-thinking"}
+    assert template_kwargs_problems(qwen, {"enable_thinking": False}, flags, "t") == []
+    off = chats(qwen, dialogues, "f", {"enable_thinking": False})[0].text()
+    on = chats(qwen, dialogues, "f")[0].text()
+    assert off == on + "<think>\n\n</think>\n\n"
+    # tiny's template has no such switch: transformers would pass it and Jinja ignore it, so it is refused
+    (p,) = template_kwargs_problems(tok, {"enable_thinking": False}, flags, "tiny/chat_template.jinja")
+    assert p.loc.flag == "--no-thinking" and "does not read 'enable_thinking'" in p.message
+    assert "tiny/chat_template.jinja" in p.message and "add_generation_prompt" in p.expected
+    (p,) = template_kwargs_problems(qwen, {"add_generation_prompt": False}, {"add_generation_prompt": "--x"}, "t")
+    assert "passed to the chat template by transformers itself" in p.message
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--no-thinking"], "--no-thinking: error: the target's chat template (the chat template of [data] tokenizer = "
+                        "tiny/tokenizer.json) does not read 'enable_thinking'"),
+    (["--chat-template-kwarg", "enable_thinking"], "--chat-template-kwarg enable_thinking: error: not KEY=VALUE"),
+    (["--chat-template-kwarg", "x=1", "--chat-template-kwarg", "x=2"], "error: x is given twice"),
+])
+def test_a_chat_template_flag_the_template_cannot_take_exits_2(flags, says, in_repo, tmp_path, capsys, monkeypatch):
+    _no_models(monkeypatch)
+    ck = tmp_path / "run"
+    ck.mkdir()
+    code = main(["eval", "graphs/tiny.toml", "--checkpoint", str(ck), "--bench", str(BENCH / "mtbench.jsonl"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "Traceback" not in err, err
+    # without --bench there is no template to render: refused too
+    assert main(["eval", "graphs/tiny.toml", "--checkpoint", str(ck), "--no-thinking"]) == 2
+    assert "--no-thinking: error: chat template values apply to --bench prompts" in capsys.readouterr().err

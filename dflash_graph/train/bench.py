@@ -281,7 +281,9 @@ def template_kwargs_problems(tok, kwargs: Mapping[str, Any], flags: Mapping[str,
             own = sorted(reads - taken - {"raise_exception", "strftime_now", "range", "namespace"})
             out.append(Problem(f"the target's chat template ({source}) does not read {key!r}: it would be ignored",
                                Location(flag=flags[key]),
-                               expected=f"a variable the template reads: {', '.join(own) or 'none besides messages'}",
+                               expected=f"a variable of the template's own: {', '.join(own)}" if own else
+                               "none: the template reads only what transformers passes it "
+                               f"({', '.join(sorted(reads & taken))})",
                                actual=key,
                                hint="drop the flag for this target (Qwen3's templates read enable_thinking; "
                                     "[data] chat_template names another template)"))
