@@ -365,8 +365,8 @@ def test_a_chat_template_variable_reaches_the_template_the_way_qwen3s_switch_doe
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--no-thinking"], "--no-thinking: error: the target's chat template (the chat template of [data] tokenizer = "
-                        "tiny/tokenizer.json) does not read 'enable_thinking'"),
+    (["--no-thinking"], "--no-thinking: error: the target's chat template (tiny/chat_template.jinja, beside [data] "
+                        "tokenizer) does not read 'enable_thinking'"),
     (["--chat-template-kwarg", "enable_thinking"], "--chat-template-kwarg enable_thinking: error: not KEY=VALUE"),
     (["--chat-template-kwarg", "x=1", "--chat-template-kwarg", "x=2"], "error: x is given twice"),
 ])

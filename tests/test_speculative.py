@@ -280,12 +280,16 @@ def test_eval_and_export_on_a_trained_run(in_repo, tmp_path, capsys):
     for b in res["benchmarks"]:
         assert {"name", "tau", "speedup", "accept_per_slot", "lossless"} <= set(b) and b["lossless"] is True
         assert b["prompts"] == 1 and b["tau"] >= 1 and len(b["accept_per_slot"]) == 3
+    # MT-Bench's record has two turns: both decoded on both sides and counted (greedy: identical turn for turn)
+    assert [(b["turns"], b["identical_to_greedy"], b["divergences"]) for b in res["benchmarks"]] == [(1, 1, []),
+                                                                                                  (2, 2, [])]
+    assert res["chat_template_kwargs"] == {}
     held = [json.loads(line)["heldout"] for line in open(out / "metrics.jsonl") if "heldout" in line][-1]
     assert res["predicted_tau"]["tau"] == held["tau"] and res["predicted_tau"]["step"] == 3
     assert main(["eval", "graphs/tiny.toml", "--checkpoint", str(out), *bench[:2], "--prompts", "1",
                  "--max-new-tokens", "4"]) == 0
     table = capsys.readouterr().out
-    assert "benchmark  prompts  tau" in table and "\ngsm8k " in table and f"training predicted tau {held['tau']}" in table
+    assert "benchmark  prompts  turns  tau" in table and "\ngsm8k " in table and f"training predicted tau {held['tau']}" in table
     code = main(["eval", "graphs/tiny.toml", "--checkpoint", str(out), "--prompts", "2", "--max-new-tokens", "8",
                  "--temperature", "0.7", "--top-p", "0.9", "--seed", "3", "--json"])
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -256,7 +256,13 @@ def _bench_prompts(args, spec) -> tuple[list[tuple[str, str, str, list]], int | 
     ct = spec.data.get("chat_template")
     tok = load_tokenizer(base / spec.data["tokenizer"], base / ct if ct else None)
     kwargs, flags = template_kwargs(args)
-    source = f"[data] chat_template = {ct}" if ct else f"the chat template of [data] tokenizer = {spec.data['tokenizer']}"
+    written = Path(spec.data["tokenizer"])
+    if ct:
+        source = f"[data] chat_template = {ct}"
+    elif not (base / written).is_dir() and (base / written).with_name("chat_template.jinja").is_file():
+        source = f"{written.with_name('chat_template.jinja')}, beside [data] tokenizer"      # load_tokenizer's pick
+    else:
+        source = f"the chat template of [data] tokenizer = {written}"
     problems = template_kwargs_problems(tok, kwargs, flags, source)
     if problems:
         raise GraphError(problems)
