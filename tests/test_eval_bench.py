@@ -328,6 +328,11 @@ def test_a_greedy_divergence_is_reported_and_each_side_goes_on_with_its_own_answ
     assert (res["turns"], res["identical_to_greedy"]) == (4, 2) and res["lossless_per_prompt"] == [True, False]
     (_, _), (_, _), (a2, c2), (b2, d2) = asked[1].asked
     assert a2 == [six] and b2 == [seven] and c2[1]["content"] == "six" and d2[1]["content"] == "seven"
+    from dflash_graph.cli.evaluate import _row, render_table
+
+    table = render_table([_row("mtbench", "mtbench", None, res)], None)
+    assert "\nmtbench    2        4      " in table and table.split("\n")[2].split()[-1] == "2/4"
+    assert "mtbench: prompt 1 (from 0) turn 1: greedy speculative decoding differed from target-only" in table
     # sampled: no per-turn comparison, each side always asks after its own answer
     asked = [Asked(tok, dialogues[0])]
     res = measure(_Scripted([five, five], [six, six]), asked, 8, temperature=0.7)

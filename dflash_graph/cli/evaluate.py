@@ -303,7 +303,7 @@ def render_table(rows: list[dict[str, Any]], predicted: dict[str, Any] | None) -
                      "one before, and every figure counts every turn")
     for r in rows:
         for d in r.get("divergences") or ():
-            lines.append(f"{r['name']}: prompt {d['prompt'] + 1} turn {d['turn']}: greedy speculative decoding "
+            lines.append(f"{r['name']}: prompt {d['prompt']} (from 0) turn {d['turn']}: greedy speculative decoding "
                          "differed from target-only decoding; its later turns were asked after each side's own "
                          "answer and are not counted identical")
     if any(r["speedup"] is not None and r["speedup"] < 1 for r in rows):
