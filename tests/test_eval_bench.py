@@ -2,8 +2,9 @@
 format and rendered through the target's chat template; MT-Bench is asked turn by turn, each turn after the answer
 each side decoded (greedy: both sides ask the same turns and give the same answers; a divergence is reported); a
 file of no known format is refused at its line with the keys it has; --chat-template-kwarg reaches the template and
-is refused when the template does not read it; and eval refuses, before it builds any model, a graph that differs from the run's (block,
-target_layer_ids, ...), bad flags, and a target that does not fit the device (the 27B graph on this host)."""
+is refused when the template does not read it; and eval refuses, before it builds any model, a graph that differs
+from the run's (block, target_layer_ids, ...), bad flags, and a target that does not fit the device (the 27B graph
+on this host)."""
 
 from __future__ import annotations
 

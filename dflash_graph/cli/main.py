@@ -167,9 +167,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu", help="torch device for the target and the drafter (default cpu)")
     ev.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     ev.add_argument("--bench", action="append", default=[], metavar="FILE",
-                    help="a local JSONL benchmark file (MT-Bench, every turn; GSM8K, HumanEval, MBPP, MATH500, {\"messages\"} or "
-                         "{\"prompt\"} records; repeatable: one row each); its first --prompts records go through "
-                         "the target's chat template (default: held-out prompts of the corpus)")
+                    help="a local JSONL benchmark file (MT-Bench, every turn; GSM8K, HumanEval, MBPP, MATH500, "
+                         "{\"messages\"} or {\"prompt\"} records; repeatable: one row each); its first --prompts "
+                         "records go through the target's chat template (default: held-out prompts of the corpus)")
     ev.add_argument("--bench-format", default=None,
                     choices=tuple(BENCH_FORMATS),
                     help="the --bench files' record format (default: detected from each file's keys)")

@@ -262,7 +262,9 @@ def template_kwargs_problems(tok, kwargs: Mapping[str, Any], flags: Mapping[str,
     if not kwargs:
         return []
     template = getattr(tok, "chat_template", None)
-    if not isinstance(template, str):       # none (refused by `chats`), or a dict of named templates
+    if isinstance(template, dict):          # named templates: apply_chat_template renders "default" here
+        template = template.get("default")
+    if not isinstance(template, str):       # none: refused by `chats`
         return []
     try:
         reads = template_variables(template)
