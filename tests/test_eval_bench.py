@@ -268,34 +268,6 @@ class Asked(Chat):
         return super().ids(answers)
 
 
-def test_greedy_multi_turn_speculative_decoding_asks_and_answers_the_same_turns(tok):
-    import torch
-
-    from dflash_graph.train.speculative import Decoder, measure
-    from test_speculative import _models
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        target, drafter = _models("tiny.toml")
-        dec = Decoder(target, drafter, [1, 3], 4, tok.eos_token_id)
-        _, dialogues = read_bench(BENCH / "mtbench.jsonl", 2)
-        asked = [Asked(tok, d) for d in dialogues]
-        res = measure(dec, asked, 12)
-    finally:
-        torch.set_num_threads(n)
-    assert (res["prompts"], res["turns"], res["identical_to_greedy"]) == (2, 4, 4)
-    assert res["lossless"] is True and res["divergences"] == [] and res["lossless_per_prompt"] == [True, True]
-    assert res["rounds"] >= 4 and res["tokens"] > 4
-    for chat in asked:
-        # per turn, speculative then target-only: the same prompt on both sides
-        (a1, c1), (b1, d1), (a2, c2), (b2, d2) = chat.asked
-        assert a1 == b1 == [] and c1 == d1 == [{"role": "user", "content": chat.dialogue.turns[0]}]
-        assert a2 == b2 and len(a2) == 1 and c2 == d2          # turn 2 after the same answer to turn 1
-        assert c2[1] == {"role": "assistant", "content": tok.decode(a2[0], skip_special_tokens=True).strip()}
-        assert c2[1]["content"] and c2[2] == {"role": "user", "content": chat.dialogue.turns[1]}
-
-
 class _Scripted:
     """A decoder of scripted outputs (no model): each call returns its side's next output; measure's bookkeeping
     is what is under test."""

@@ -98,6 +98,30 @@ def test_speculative_output_is_target_only_greedy(models, tok):
     assert out2 == truth
 
 
+def test_greedy_multi_turn_speculative_decoding_asks_and_answers_the_same_turns(models, tok):
+    """MT-Bench's records, two turns each (graphs/tiny/bench/mtbench.jsonl): each side asks turn 2 after its own
+    answer to turn 1, and greedy, both sides ask and answer the same turns (FastChat's multi-turn loop)."""
+    from test_eval_bench import BENCH, Asked
+
+    from dflash_graph.train.bench import read_bench
+
+    target, drafter = models
+    dec = Decoder(target, drafter, [1, 3], 4, tok.eos_token_id)
+    _, dialogues = read_bench(BENCH / "mtbench.jsonl", 2)
+    asked = [Asked(tok, d) for d in dialogues]
+    res = speculative.measure(dec, asked, 12)
+    assert (res["prompts"], res["turns"], res["identical_to_greedy"]) == (2, 4, 4)
+    assert res["lossless"] is True and res["divergences"] == [] and res["lossless_per_prompt"] == [True, True]
+    assert res["rounds"] >= 4 and res["tokens"] > 4
+    for chat in asked:
+        # per turn, speculative then target-only: the same prompt on both sides
+        (a1, c1), (b1, d1), (a2, c2), (b2, d2) = chat.asked
+        assert a1 == b1 == [] and c1 == d1 == [{"role": "user", "content": chat.dialogue.turns[0]}]
+        assert a2 == b2 and len(a2) == 1 and c2 == d2          # turn 2 after the same answer to turn 1
+        assert c2[1] == {"role": "assistant", "content": tok.decode(a2[0], skip_special_tokens=True).strip()}
+        assert c2[1]["content"] and c2[2] == {"role": "user", "content": chat.dialogue.turns[1]}
+
+
 def _rollback_error(dec: Decoder, ids: list[int], keep: int | None = None) -> list[float]:
     """For r = 0 .. B-1 drafts rejected: prefill ids[:-B], verify the block ids[-B:] (recording), crop r tokens,
     run the next token; the largest difference of its logits from a forward without a cache over the same tokens.
