@@ -12,14 +12,25 @@ sampling: `Traits.deterministic = False`) is *anchored*: the cache fixes those d
 
 NOTE [Storage choices]: "anchored" stores what the checked graph's transfers carry (after the rewrites: the
 verifier's rows only at the anchors, `gather_through_positionwise` applied to the disk), with the anchors fixed
-at capture, one draw per sample; "all" stores the transfers that do not depend on the anchors and the inputs of
+at capture, K draws per sample (NOTE [Anchor draws]); "all" stores the transfers that do not depend on the anchors and the inputs of
 the target-side nodes that make the anchored ones (`redraw`: the anchor sampler and what derives from it; its
 frontier is the whole last hidden state, the loss mask, the positions), and those nodes run again when the cache
 is read, so that anchors are drawn again every epoch; "anchored-fp8" is "anchored" with floating tensors as
 float8_e4m3fn and a float32 scale per row. The bytes are exact products of the checked shapes and dtype widths (ir/types.py
 TensorType.nbytes), plus the safetensors header that names each tensor (a JSON object: 8 bytes of length, then
 the names, dtypes, shapes and offsets, padded to 8 bytes; https://github.com/huggingface/safetensors#format),
-estimated per tensor entry as written by `safetensors.torch.save_file`."""
+estimated per tensor entry as written by `safetensors.torch.save_file`.
+
+NOTE [Anchor draws]: with `[capture] anchor_draws = K` the anchored storages hold K draws of the anchored
+crossings per sample, and the crossings that do not depend on the anchors once. Draw e of sample i is what the
+online run draws for training sample e * N + i (N: the cache's samples), with the generator the trainer seeds for
+that sample (train/trainer.micro_generator), on sample i's data: the target forward runs once per sample, and the
+nodes that make the anchored crossings (`redraw`: the anchor sampler, the verifier rows' gather) run again on its
+outputs for draws 1..K-1. A run from the cache reads draw p mod K in its pass p over the cache: passes 0..K-1 train
+on exactly the anchors the online run draws for those training samples, and pass K reuses draw 0. Draw 0 is stored
+under the crossing's name (a cache of one draw is what it was before K existed), draw e under `NODE#draw{e}`
+(`draw_name`). Rows that two draws share are stored in each: the crossing is what the drafter side receives,
+and storing a union of rows with an index per draw would make the reader a gather of its own."""
 
 from __future__ import annotations
 
@@ -126,6 +137,32 @@ _ST_DTYPE = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": 
              "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3"}
 
 
+def draw_name(node: str, draw: int) -> str:
+    """The name draw `draw` of an anchored crossing is stored under (NOTE [Anchor draws]): draw 0 under the
+    crossing's own."""
+    return node if draw == 0 else f"{node}#draw{draw}"
+
+
+def anchor_draws(typed: Typed) -> int:
+    """K, the anchor draws a cache stores per sample (`[capture] anchor_draws`, NOTE [Anchor draws]); refused with
+    the 'all' storage, which draws new anchors every pass."""
+    cap = typed.ctx.spec.capture
+    k = int(cap.get("anchor_draws") or 1)
+    if k > 1 and storage_of(cap) == "all":
+        raise GraphError(Problem(f"[capture] anchor_draws = {k} with storage = \"all\": the 'all' storage keeps the "
+                                 "whole last hidden state and draws new anchors every pass, so it stores no draw",
+                                 typed.ctx.spec.loc("capture", "anchor_draws"),
+                                 hint="drop anchor_draws, or use storage = \"anchored\" to store K draws per sample"))
+    return k
+
+
+def stored_crossings(cut: "Cut", draws: int) -> tuple["Crossing", ...]:
+    """What an anchored storage holds per sample: every crossing, and draws 1..K-1 of the anchored ones, under
+    their draw names (NOTE [Anchor draws])."""
+    return (*cut.crossings, *(attrs.evolve(c, node=draw_name(c.node, e)) for e in range(1, draws)
+                              for c in cut.crossings if c.anchored))
+
+
 def tensor_key(sample: int, node: str) -> str:
     """The name of one crossing of one sample in a shard."""
     return f"{sample:012d}/{node}"
@@ -179,10 +216,17 @@ class Bill:
     disk_from: str
     drafter_step_seconds: float | None   # the drafter side's predicted busy time per optimizer step
     crossings: tuple[Crossing, ...]
+    anchor_draws: int = 1                # K: the draws of the anchored crossings each anchored storage holds
+    draw_bytes: Mapping[str, int] = attrs.field(factory=dict)   # per anchored storage: one more draw, per sample
 
     @property
     def default(self) -> Storage:
         return self.storages[0]
+
+    @property
+    def one_draw_payload(self) -> int:
+        """The checked graph's transfers per sample, one draw (what the rewrites' savings compare)."""
+        return sum(c.nbytes for c in self.crossings)
 
     @property
     def fits(self) -> bool:
@@ -204,9 +248,10 @@ class Bill:
             "storages": [{"name": s.name, "what": s.what, "payload_bytes_per_sample": s.payload_per_sample,
                           "bytes_per_sample": s.per_sample, "bytes_total": s.total, "capture_writes": s.capturable,
                           "read_bytes_per_second": self.read_bandwidth(s)} for s in self.storages],
+            "anchor_draws": self.anchor_draws,
+            "bytes_per_sample_per_more_draw": dict(self.draw_bytes),
             "as_written_bytes_per_sample": self.as_written_per_sample,
-            "rewrites_save_bytes_per_sample": self.as_written_per_sample - next(
-                s.payload_per_sample for s in self.storages if s.name == "anchored"),
+            "rewrites_save_bytes_per_sample": self.as_written_per_sample - self.one_draw_payload,
             "disk_bytes": self.disk_bytes, "disk_from": self.disk_from, "fits": self.fits,
             "drafter_step_seconds": self.drafter_step_seconds,
             "crossings": [{"node": c.node, "source": c.source, "shape": list(c.shape), "dtype": c.dtype,
@@ -256,7 +301,8 @@ class Redraw:
         return sum(c.nbytes for c in self.kept) + sum(self.frontier_bytes)
 
 
-def redraw(typed: Typed) -> Redraw:
+def redraw(typed: Typed, what: str = "the 'all' storage") -> Redraw:
+    """`what`: who runs the nodes again (named when a node uses a model and cannot be run again)."""
     cut = find_cut(typed)
     g = typed.graph
     random = _random_descendants(typed)
@@ -272,9 +318,9 @@ def redraw(typed: Typed) -> Redraw:
     nodes = tuple(n.id for n in g.nodes if n.id in need)
     bad = [n for n in nodes if g[n].model or not set(typed.ctx.devices_of(g[n].device)) <= target]
     if bad:
-        raise GraphError(Problem(f"node '{bad[0]}' makes an anchored crossing and uses a model: the 'all' storage "
-                                 "cannot run it again when the cache is read", typed.ctx.loc(g[bad[0]]),
-                                 hint="use the 'anchored' storage"))
+        raise GraphError(Problem(f"node '{bad[0]}' makes an anchored crossing and uses a model: {what} cannot "
+                                 "run it again without the target's forward", typed.ctx.loc(g[bad[0]]),
+                                 hint="use the 'anchored' storage with one anchor draw per sample"))
     frontier: list[str] = []
     for n in nodes:
         for _, r in g[n].inputs:
@@ -296,22 +342,28 @@ def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
     cut = find_cut(typed)
     samples, samples_from = default_samples(typed)
     shard = int(typed.ctx.spec.capture.get("shard_samples") or 64)
-    pay = cut.bytes_per_sample
-    head = header_bytes(cut.crossings, pay * shard)
+    K = anchor_draws(typed)
+    held = stored_crossings(cut, K)          # NOTE [Anchor draws]
+    pay = sum(c.nbytes for c in held)
+    head = header_bytes(held, pay * shard)
+    draws = "one draw per sample" if K == 1 else f"{K} draws per sample ([capture] anchor_draws)"
     anchored = Storage("anchored", "the checked graph's transfers: " + ", ".join(c.node for c in cut.crossings)
-                       + " (anchors fixed at capture, one draw per sample)", pay, pay + head, (pay + head) * samples,
-                       True)
-    pay8 = sum(b for c in cut.crossings for *_, b in stored_as(c, "fp8"))
-    head8 = header_bytes(cut.crossings, pay8 * shard, "fp8")
+                       + f" (anchors fixed at capture, {draws})", pay, pay + head, (pay + head) * samples, True)
+    pay8 = sum(b for c in held for *_, b in stored_as(c, "fp8"))
+    head8 = header_bytes(held, pay8 * shard, "fp8")
     fp8 = Storage("anchored-fp8", "as 'anchored', floating tensors as float8_e4m3fn with a float32 scale per row",
                   pay8, pay8 + head8, (pay8 + head8) * samples, True)
+    one = [c for c in cut.crossings if c.anchored]      # what one more draw adds per sample, with its header share
+    extra = {"anchored": sum(c.nbytes for c in one) + header_bytes(one, pay * shard),
+             "anchored-fp8": sum(b for c in one for *_, b in stored_as(c, "fp8")) + header_bytes(one, pay8 * shard,
+                                                                                                 "fp8")}
     rd = redraw(typed)
     all_pay = rd.stored_bytes()
     all_head = _all_header(rd, typed, all_pay * shard)
     every = Storage("all", ", ".join([*(c.node for c in rd.kept), *rd.frontier]) + " (anchors drawn again each "
                     f"epoch by {', '.join(rd.nodes)})", all_pay, all_pay + all_head, (all_pay + all_head) * samples,
                     True)
-    as_written = find_cut(original).bytes_per_sample
+    as_written = find_cut(original).bytes_per_sample      # one draw of the graph as written
     disk = typed.ctx.spec.capture.get("disk")
     if disk is not None:
         disk_bytes, disk_from = int(disk), "[capture] disk"
@@ -326,7 +378,7 @@ def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
     first = {"fp8": fp8, "all": every}.get(storage_of(typed.ctx.spec.capture).replace("anchored-", ""), anchored)
     storages = (first, *(s for s in (anchored, every, fp8) if s is not first))
     return Bill(samples, samples_from, samples_per_step(typed), storages, as_written, disk_bytes, disk_from,
-                step, cut.crossings)
+                step, cut.crossings, K, extra)
 
 
 def _rate(bps: float) -> str:
@@ -350,11 +402,16 @@ def render_bill(b: Bill) -> str:
         tag = "" if s.capturable else " [predicted only: capture does not write it yet]"
         lines.append(f"  {s.name:<14}{fmt_bytes(s.per_sample):>12}{_tb(s.total):>14}"
                      f"{(_rate(bw) if bw else '-'):>14}  {s.what}{tag}")
-    native = next(s for s in b.storages if s.name == "anchored")
-    saved = b.as_written_per_sample - native.payload_per_sample
+    saved = b.as_written_per_sample - b.one_draw_payload
     lines.append(f"  the rewrites save {fmt_bytes(saved)} per sample ({fmt_bytes(saved * b.samples)} in all): the graph "
                  f"as written sends {fmt_bytes(b.as_written_per_sample)} per sample, the checked graph "
-                 f"{fmt_bytes(native.payload_per_sample)}")
+                 f"{fmt_bytes(b.one_draw_payload)}")
+    more = b.draw_bytes.get("anchored")
+    if more is not None:
+        held = ("1 anchor draw per sample" if b.anchor_draws == 1 else
+                f"{b.anchor_draws} anchor draws per sample (a run reads draw p mod {b.anchor_draws} in its pass p)")
+        lines.append(f"  {held} ([capture] anchor_draws); one more costs {fmt_bytes(more)} per sample "
+                     f"({_tb(more * b.samples)} in all; anchored-fp8: {fmt_bytes(b.draw_bytes['anchored-fp8'])})")
     if b.drafter_step_seconds:
         lines.append(f"  read rate: a step's {b.samples_per_step} samples within the drafter's predicted busy time "
                      f"of {fmt_seconds(b.drafter_step_seconds)} per step")
@@ -426,7 +483,9 @@ def signature(typed: Typed, rewritten: bool, weights_hash: Mapping[str, str | No
         "anchors": {"nodes": {n: dict(sorted((k, v) for k, v in typed.params[n].items() if not k.startswith("_")))
                               for n in random},
                     "seed": int(spec.train.get("seed", 0)), "grad_accum": int(spec.train.get("grad_accum") or 1),
-                    "replicas": replicas(typed), "policy": "fixed at capture, one draw per sample"},
+                    "replicas": replicas(typed), "draws": anchor_draws(typed),
+                    "policy": "drawn again when read" if storage_of(spec.capture) == "all" else
+                    "fixed at capture: draw e of sample i is training sample e * samples + i's; pass p reads draw p mod draws"},
         "data": data,
         "storage": storage_of(spec.capture),
     }

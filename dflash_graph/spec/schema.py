@@ -217,6 +217,12 @@ CAPTURE = Section("capture", "The hidden-state cache that `dflash-graph capture`
     Key("dtype", "str", "How floating tensors are stored (with `storage = \"anchored\"`): `native` (as the transfers carry them) or `fp8` "
         "(float8_e4m3fn with one float32 scale per row, the last axis: amax / 448; dequantized when read).",
         default="native", choices=("native", "fp8")),
+    Key("anchor_draws", "int", "Anchor draws stored per sample with the anchored storages (K): capture stores the "
+        "transfers that depend on the anchors K times, draw e of sample i drawn with the generator of training "
+        "sample e x samples + i (what the online run draws there); a run from the cache reads draw p mod K in its "
+        "pass p over it, so passes K, K+1, ... repeat the draws. The transfers that do not depend on the anchors "
+        "are stored once. Not with `storage = \"all\"`, which draws new anchors every pass.", default=1, low=1,
+        high=1024),
 ))
 
 TOP = Section("(top level)", "The sections of a graph file.", (

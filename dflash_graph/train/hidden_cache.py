@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..analysis.capture import (MANIFEST, Cut, capture_bill, redraw, storage_of, compare_signatures, entry_samples,
+from ..analysis.capture import (MANIFEST, Cut, anchor_draws, capture_bill, draw_name, redraw, storage_of, compare_signatures, entry_samples,
                                 file_sha256, find_cut, json_safe, missing_samples, new_manifest, part_name,
                                 rank_samples, read_manifest, refuse_unless_fits, samples_text, shard_name, shard_of,
                                 shard_problem, signature, tensor_key, weights_files)
@@ -258,8 +258,9 @@ class TargetSide:
     i's crossings (NOTE [Sample order]); samples are produced in order, `advance()` moves the data past one without
     running anything."""
 
-    def __init__(self, plan, cut: Cut, device_map=(), devices: tuple[str, ...] | None = None):
-        """devices: the target devices of this rank under torchrun (default: every target device)."""
+    def __init__(self, plan, cut: Cut, device_map=(), devices: tuple[str, ...] | None = None, samples: int = 0):
+        """devices: the target devices of this rank under torchrun (default: every target device). samples: the
+        cache's N, which places draw e of sample i at training sample e * N + i (NOTE [Anchor draws])."""
         typed = plan.typed
         spec = typed.ctx.spec
         self.tdev = torch_devices(spec, list(device_map))
@@ -279,8 +280,13 @@ class TargetSide:
         self.interp = Interpreter(typed, self.store, self.tdev, seed=self.seed, track_memory=False, local=local,
                                   comm=self.rec)
         self.sends = {c.node: c.node for c in cut.crossings}
-        # storage "all": the anchored subgraph's frontier is kept too (NOTE [Storage choices], analysis/capture.py)
-        self.redraw = redraw(typed) if storage_of(spec.capture) == "all" else None
+        # storage "all": the anchored subgraph's frontier is kept too (NOTE [Storage choices], analysis/capture.py);
+        # K anchor draws: the frontier is kept for draws 1..K-1 (NOTE [Anchor draws])
+        self.all = storage_of(spec.capture) == "all"
+        self.draws, self.N = anchor_draws(typed), samples
+        self.redrawer = Redrawer(plan, f"capture with [capture] anchor_draws = {self.draws}") \
+            if self.draws > 1 else None
+        self.redraw = redraw(typed) if self.all or self.redrawer else None
         self.keep = frozenset(Ref.parse(r) for r in self.redraw.frontier) if self.redraw else frozenset()
         self.forwards = 0
         self.next = 0
@@ -292,16 +298,22 @@ class TargetSide:
         return step, a, r
 
     def sample(self) -> dict[str, torch.Tensor]:
-        """Sample i's crossings by transfer node, and with the 'all' storage its frontier under '@node.output'."""
-        step, a, r = self._where(self.next)
+        """Sample i's crossings by transfer node (draw 0), draws 1..K-1 of its anchored crossings under their draw
+        names (NOTE [Anchor draws]), and with the 'all' storage its frontier under '@node.output'."""
+        i = self.next
+        step, a, r = self._where(i)
         self.rec.got = {}
         res = self.interp.run_replica(r, lambda rr: self.shards[rr].next_batch(), keep=self.keep,
                                       generator=micro_generator(self.seed, self.accum, step, a, r), sends=self.sends)
         self.forwards += 1
         self.next += 1
         got = dict(self.rec.got)
-        for ref in self.keep:
-            got["@" + str(ref)] = res[ref.node][ref.output].detach().to("cpu", copy=True).contiguous()
+        frontier = {ref: res[ref.node][ref.output].detach().to("cpu", copy=True).contiguous() for ref in self.keep}
+        if self.all:
+            got.update({"@" + str(ref): t for ref, t in frontier.items()})
+        for e in range(1, self.draws):
+            for node, t in self.redrawer.anchored(frontier, e * self.N + i).items():
+                got[draw_name(node, e)] = t.contiguous()
         return got
 
     def advance(self) -> None:
@@ -328,9 +340,56 @@ def _fitting_bill(plan, out: Path, samples: int | None, kept_bytes: int = 0):
     return bill
 
 
+def _write_share(plan, cut: Cut, writer: CacheWriter, out: Path, device_map=(), devices: tuple[str, ...] | None = None,
+                 progress: bool = True, stream=None, kept_bytes: int = 0) -> dict[str, Any]:
+    """The capture loop, for one writer: in one process every sample of the cache (`writer.rank` None), under
+    torchrun the samples of this target rank's replica (NOTE [One writer per target rank]), the other replicas'
+    passed over. Samples in shards kept from before move the data on without running the target side; the rest
+    are run and written, with a progress line after each shard. `devices`: this rank's target devices (default:
+    every target device). Returns what this writer did."""
+    spec = plan.typed.ctx.spec
+    N = writer.samples
+    who = "" if writer.rank is None else f"rank {writer.rank[0]}: "
+    _set_threads(int(spec.train.get("threads", 0)), torch_devices(spec, list(device_map)))
+    side = TargetSide(plan, cut, device_map, devices=devices, samples=N)
+    t0 = time.perf_counter()          # the target side is built: what follows is the capture itself
+    mine = writer.mine
+    todo = sum(1 for i in mine if not writer.shard_done(writer.shard_of(i)))
+    if progress and writer.kept:
+        print(f"capture: {who}resuming in {out}: {len(writer.kept)} of {writer.shards} "
+              f"{'' if writer.rank is None else 'of its '}shards complete and verified", file=stream, flush=True)
+    for bad in writer.rewritten:
+        print(f"warning: {who}writing again {bad}", file=stream, flush=True)
+    done = 0
+    for i in range(N):
+        if i not in mine:               # another rank's replica (its data shard is untouched here)
+            side.pass_over()
+            continue
+        k = writer.shard_of(i)
+        if writer.shard_done(k):
+            side.advance()
+            continue
+        writer.add(i, side.sample())
+        done += 1
+        j = mine.index(i)
+        if progress and ((j + 1) % writer.shard_samples == 0 or j == len(mine) - 1):
+            el = time.perf_counter() - t0
+            rate = f"{done / max(el, 1e-9):.1f} samples/s, ETA {_eta(done, todo, el)}"
+            if writer.rank is None:
+                line = (f"capture: {j + 1}/{N} samples, shard {k + 1}/{writer.shards}, "
+                        f"{fmt_bytes(writer.bytes_written + kept_bytes)} on disk, {rate}")
+            else:
+                line = (f"capture: rank {writer.rank[0]} (1 of {writer.rank[2]} target ranks): {j + 1}/{len(mine)} of "
+                        f"its samples ({N} in all), shard {k + 1}/{writer.shards}, {fmt_bytes(writer.bytes_written)} "
+                        f"written, {rate}")
+            print(line, file=stream, flush=True)
+    return {"forwards": side.forwards, "written": writer.bytes_written, "seconds": time.perf_counter() - t0}
+
+
 def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False, progress: bool = True,
             device_map=(), stream=None) -> dict[str, Any]:
-    """Run the target side over the corpus and write the cache (NOTE [Sample order], NOTE [Atomic shards]).
+    """Run the target side over the corpus and write the cache (NOTE [Sample order], NOTE [Atomic shards]): the
+    capture of one target rank (_write_share) that runs every replica and records its shards in manifest.json.
     Returns what was done: samples run, shards written and kept, bytes, seconds, target forwards."""
     stream = sys.stderr if stream is None else stream
     typed = plan.typed
@@ -343,32 +402,10 @@ def capture(plan, out: Path, samples: int | None = None, overwrite: bool = False
     kept_bytes = sum(e["bytes"] for e in writer.kept.values())
     kept_before = len(writer.kept)
     bill = _fitting_bill(plan, out, N, kept_bytes)
-    _set_threads(int(spec.train.get("threads", 0)), torch_devices(spec, list(device_map)))
-    side = TargetSide(plan, cut, device_map)
-    t0 = time.perf_counter()
-    todo = sum(min((k + 1) * shard_samples, N) - k * shard_samples for k in range(writer.shards)
-               if not writer.shard_done(k))
-    done = 0
-    if writer.kept and progress:
-        print(f"capture: resuming in {out}: {len(writer.kept)} of {writer.shards} shards complete and verified",
-              file=stream, flush=True)
-    for bad in writer.rewritten:
-        print(f"warning: writing again {bad}", file=stream, flush=True)
-    for i in range(N):
-        k = writer.shard_of(i)
-        if writer.shard_done(k):
-            side.advance()
-            continue
-        writer.add(i, side.sample())
-        done += 1
-        if progress and ((i + 1) % shard_samples == 0 or i == N - 1):
-            el = time.perf_counter() - t0
-            print(f"capture: {i + 1}/{N} samples, shard {k + 1}/{writer.shards}, "
-                  f"{fmt_bytes(writer.bytes_written + kept_bytes)} on disk, {done / max(el, 1e-9):.1f} samples/s, "
-                  f"ETA {_eta(done, todo, el)}", file=stream, flush=True)
+    st = _write_share(plan, cut, writer, out, device_map, progress=progress, stream=stream, kept_bytes=kept_bytes)
     return {"samples": N, "shards": writer.shards, "kept": kept_before,
-            "written_bytes": writer.bytes_written, "bytes": sum(e["bytes"] for e in writer.kept.values()),
-            "seconds": time.perf_counter() - t0, "target_forwards": side.forwards, "predicted_bytes": bill.default.total,
+            "written_bytes": st["written"], "bytes": sum(e["bytes"] for e in writer.kept.values()),
+            "seconds": st["seconds"], "target_forwards": st["forwards"], "predicted_bytes": bill.default.total,
             "rewritten": writer.rewritten}
 
 
@@ -434,46 +471,20 @@ def capture_ranks(plan, out: Path, samples: int | None = None, overwrite: bool =
             out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         mine: list[dict] = []
-        stats = {"rank": rank, "forwards": 0, "written": 0, "kept": 0, "rewritten": [], "shards": 0}
-        t0 = time.perf_counter()
+        stats = {"rank": rank, "forwards": 0, "written": 0, "kept": 0, "rewritten": [], "shards": 0, "seconds": 0.0}
         if rank in ranks:
             q = ranks.index(rank)
             writer = CacheWriter(out, sig, N, shard_samples, cut, stored=stored_keys(typed), rank=(rank, q, R))
             stats["kept"], stats["rewritten"], stats["shards"] = len(writer.kept), writer.rewritten, writer.shards
-            _set_threads(int(spec.train.get("threads", 0)), torch_devices(spec, list(device_map)))
             from ..analysis.launch import device_for
 
             devs = tuple(sorted({device_for(typed, n.device, q) for n in typed.graph.nodes
                                  if set(typed.ctx.devices_of(n.device)) & set(cut.target_devices)}))
-            side = TargetSide(plan, cut, device_map, devices=devs)
-            t0 = time.perf_counter()          # the target side is built: what follows is the capture itself
-            show = progress and rank == writer_rank
-            todo = sum(1 for i in writer.mine if not writer.shard_done(writer.shard_of(i)))
-            if show and writer.kept:
-                print(f"capture: rank {rank}: resuming in {out}: {len(writer.kept)} of {writer.shards} of its shards "
-                      "complete and verified", file=stream, flush=True)
-            for bad in writer.rewritten:
-                print(f"warning: rank {rank}: writing again {bad}", file=stream, flush=True)
-            done = 0
-            for i in range(N):
-                if i % R != q:
-                    side.pass_over()
-                    continue
-                k = writer.shard_of(i)
-                if writer.shard_done(k):
-                    side.advance()
-                    continue
-                writer.add(i, side.sample())
-                done += 1
-                j = writer.mine.index(i)
-                if show and ((j + 1) % shard_samples == 0 or j == len(writer.mine) - 1):
-                    el = time.perf_counter() - t0
-                    print(f"capture: rank {rank} (1 of {R} target ranks): {j + 1}/{len(writer.mine)} of its samples "
-                          f"({N} in all), shard {k + 1}/{writer.shards}, {fmt_bytes(writer.bytes_written)} written, "
-                          f"{done / max(el, 1e-9):.1f} samples/s, ETA {_eta(done, todo, el)}", file=stream, flush=True)
+            # the writer rank shows the progress of its own share
+            share = _write_share(plan, cut, writer, out, device_map, devices=devs,
+                                 progress=progress and rank == writer_rank, stream=stream)
             mine = list(writer.kept.values())
-            stats["forwards"], stats["written"] = side.forwards, writer.bytes_written
-        stats["seconds"] = time.perf_counter() - t0
+            stats.update(forwards=share["forwards"], written=share["written"], seconds=share["seconds"])
         got = [None] * dist.get_world_size() if rank == writer_rank else None
         dist.gather_object((mine, stats), got, dst=writer_rank)
         result = None
@@ -538,26 +549,28 @@ class _Shards(torch.utils.data.Dataset):
 
 
 class Redrawer:
-    """NOTE [Storage choices], "all": the crossings of one sample from what the cache stores: the kept crossings as
-    they are, the anchored ones made again by the anchored subgraph (analysis/capture.redraw) from the stored
-    frontier, with the generator of the training sample being fed (so each epoch draws its own anchors, and the
-    first pass draws the online run's)."""
+    """The anchored crossings drawn again from the frontier of the nodes that make them (analysis/capture.redraw),
+    with the generator of a given training sample, on CPU. NOTE [Storage choices], "all": the crossings of one
+    sample from what the cache stores: the kept crossings as they are, the anchored ones drawn for the training
+    sample being fed (so each pass draws its own anchors, and the first pass draws the online run's). NOTE
+    [Anchor draws]: capture's draws 1..K-1 of a sample."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, what: str = "the 'all' storage"):
         typed = plan.typed
         spec = typed.ctx.spec
-        self.typed, self.rd, self.cut = typed, redraw(typed), find_cut(typed)
+        self.typed, self.rd, self.cut = typed, redraw(typed, what), find_cut(typed)
         interp = Interpreter(typed, None, {d: "cpu" for d in spec.devices}, track_memory=False, local=frozenset())
         self.impls, self.params = interp.impls, interp.params
         self.seed, self.accum, self.R = int(spec.train["seed"]), int(spec.train.get("grad_accum") or 1), replicas(typed)
 
-    def __call__(self, stored: dict[str, torch.Tensor], j: int) -> dict[str, torch.Tensor]:
+    def run(self, frontier: dict[Ref, torch.Tensor], j: int) -> dict[Ref, torch.Tensor]:
+        """The frontier and every output of the redrawn nodes, as training sample j draws them."""
         from ..exec.interpreter import ExecContext
 
         step, rest = divmod(j, self.accum * self.R)
         a, r = divmod(rest, self.R)
         gen = micro_generator(self.seed, self.accum, step, a, r)
-        env = {Ref.parse(k[1:]): v for k, v in stored.items() if k.startswith("@")}
+        env = dict(frontier)
         g = self.typed.graph
         with torch.no_grad():
             for nid in self.rd.nodes:
@@ -566,6 +579,15 @@ class Redrawer:
                                   frozenset(self.typed.outputs_of(nid)), gen, None, None)
                 for k, v in self.impls[nid](ctx, **{p: env[ref] for p, ref in n.inputs}).items():
                     env[Ref(nid, k)] = v
+        return env
+
+    def anchored(self, frontier: dict[Ref, torch.Tensor], j: int) -> dict[str, torch.Tensor]:
+        """The anchored crossings, by transfer node, that training sample j draws from this frontier."""
+        env = self.run(frontier, j)
+        return {c.node: env[Ref.parse(c.source)] for c in self.cut.crossings if c.anchored}
+
+    def __call__(self, stored: dict[str, torch.Tensor], j: int) -> dict[str, torch.Tensor]:
+        env = self.run({Ref.parse(k[1:]): v for k, v in stored.items() if k.startswith("@")}, j)
         return {c.node: stored[c.node] if c.node in stored else env[Ref.parse(c.source)] for c in self.cut.crossings}
 
 
@@ -575,9 +597,10 @@ def _sample(tensors: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]
     return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def _stored(tensors: dict[str, torch.Tensor], i: int, c) -> torch.Tensor:
-    """Crossing c of sample i as the drafter side receives it (fp8 storage dequantized to the crossing's dtype)."""
-    key = tensor_key(i, c.node)
+def _stored(tensors: dict[str, torch.Tensor], i: int, c, draw: int = 0) -> torch.Tensor:
+    """Crossing c of sample i as the drafter side receives it (fp8 storage dequantized to the crossing's dtype);
+    an anchored crossing's draw `draw` (NOTE [Anchor draws])."""
+    key = tensor_key(i, draw_name(c.node, draw if c.anchored else 0))
     scale = tensors.get(key + "#scale")
     if scale is None:
         return tensors[key]
@@ -610,6 +633,7 @@ class CacheSource:
                                                  "--out ANOTHER_DIR, then run --hidden-states ANOTHER_DIR")
         self.cut = find_cut(plan.typed)
         self.samples_total = int(m["samples"])
+        self.draws = anchor_draws(plan.typed)       # the signature holds it: the cache's K is the graph's
         # in sample order; from several target ranks, interleaved (NOTE [One writer per target rank])
         entries = sorted(m["shards"], key=lambda e: e["first"])
         missing = missing_samples(m)
@@ -679,18 +703,20 @@ class CacheSource:
                       f"{self.skipped_samples} skipped so far)", file=sys.stderr, flush=True)
                 continue
             self.read += 1
+            draw = self.passes % self.draws          # pass p reads draw p mod K (NOTE [Anchor draws])
             for i in entry_samples(e):
                 if self.redrawer is not None:
                     self._buf[i] = _sample(got, i)
                 else:
-                    self._buf[i] = {c.node: _stored(got, i, c) for c in self.cut.crossings}
+                    self._buf[i] = {c.node: _stored(got, i, c, draw) for c in self.cut.crossings}
 
     def next_inbox(self) -> dict[str, torch.Tensor]:
         """The next sample's crossings, by transfer node: what the drafter side's transfers receive."""
-        got = self._buf.pop(self._fill())
+        i = self._fill()
+        got = self._buf.pop(i)
         self._pos += 1
-        if self.redrawer is not None:
-            got = self.redrawer(got, self.delivered)
+        if self.redrawer is not None:         # the anchors of training sample p * N + i (pass p)
+            got = self.redrawer(got, self.passes * self.samples_total + i)
         self.delivered += 1
         return {n: t.to(self._device[n]) for n, t in got.items()}
 
@@ -705,8 +731,10 @@ class CacheSource:
             it._shutdown_workers()
 
     def skip(self, n: int) -> None:
-        """Past the first n samples (what --resume does: its checkpoint's step, in samples)."""
-        n %= self.samples_total
+        """Past the first n samples (what --resume does: its checkpoint's step, in samples): into pass n // N, whose
+        draw the next samples are (NOTE [Anchor draws])."""
+        passes, n = divmod(n, self.samples_total)
+        self.passes += passes
         for _ in range(n):
             self.next_inbox()
 
@@ -739,7 +767,7 @@ class HybridSource:
             _fitting_bill(plan, directory, self.N)
             self.writer = CacheWriter(directory, self.sig, self.N, int(spec.capture.get("shard_samples") or 64),
                                       self.cut, stored=stored_keys(plan.typed))
-            self.side = TargetSide(plan, self.cut, device_map)
+            self.side = TargetSide(plan, self.cut, device_map, samples=self.N)
             self._device = _drafter_side_devices(plan, device_map)
         self.i = 0
         self._forwards = 0
@@ -772,7 +800,8 @@ class HybridSource:
     def next_inbox(self) -> dict[str, torch.Tensor]:
         if self.reader is None and self.i >= self.N:        # the cache is complete: from now on, read it
             self.reader = CacheSource(self.plan, self.dir, *self.opts, sig=self.sig, device_map=self.device_map)
-            self.reader.delivered = self._read_from = self.i   # the training sample being fed: seeds 'all''s anchors
+            self.reader.delivered = self._read_from = self.i
+            self.reader.passes = self.i // self.N     # pass 1: its draw, and 'all''s anchors (NOTE [Anchor draws])
             self._forwards = self.side.forwards
             self.side = None              # the target side's models are no longer needed
         if self.reader is not None:
