@@ -390,3 +390,48 @@ def test_capture_under_launch_one_writer_per_target_rank(runs, in_repo, tmp_path
                  "train.eval_every=0", "--set", "capture.shard_samples=1", "--hidden-states", str(out)]) == 0
     assert all(same(a, b) for a, b in zip(metrics(runs / "online"), metrics(tmp_path / "run")))
     assert len(metrics(tmp_path / "run")) == 2
+
+
+def test_anchor_draws_equal_online_for_k_passes(in_repo, tmp_path, capsys):
+    """[capture] anchor_draws = 2 (NOTE [Anchor draws]): pass p over the cache reads draw p mod 2, and draw e of
+    sample i is the online run's draw for training sample e * N + i. On a corpus of one document (longer than
+    seq) every packed sequence holds the same tokens, so the online run's epoch 1 is sample i's data again with
+    the anchors of training sample N + i: 4 steps from a 4-sample cache equal 4 online steps, step for step. Bytes
+    as predicted within 1%; the JSON bill carries K; a cache of another K is refused, naming it; pass 2 reads
+    draw 0 again."""
+    import torch
+
+    from dflash_graph.rewrite.pipeline import compile_graph
+    from dflash_graph.train.hidden_cache import CacheSource
+
+    corpus = tmp_path / "one.jsonl"
+    corpus.write_text(open("graphs/tiny/corpus.jsonl").readline())      # 349 tokens: every sample is its first 256
+    one = [*SMALL, "--set", f"data.corpus={corpus}", "--set", "data.holdout=0", "--set", "capture.samples=4"]
+    sets = [*one, "--set", "capture.anchor_draws=2"]
+    assert main(["check", TINY, "--capture", "--json", *sets]) == 0
+    cap = json.loads(capsys.readouterr().out)["capture"]
+    assert cap["anchor_draws"] == 2
+    more = cap["bytes_per_sample_per_more_draw"]["anchored"]
+    # one more draw: the anchored rows [16, 4, 128] f32, anchors [16] i64, valid [16, 4] bool, and their header
+    assert 16 * 4 * 128 * 4 + 16 * 8 + 16 * 4 < more < 16 * 4 * 128 * 4 + 16 * 8 + 16 * 4 + 400
+    assert main(["capture", TINY, "--out", str(tmp_path / "c"), "--no-progress", *sets]) == 0
+    written = sum(p.stat().st_size for p in (tmp_path / "c").glob("shard-*.safetensors"))
+    assert abs(written - cap["bytes_total"]["anchored"]) / written < 0.01, (written, cap["bytes_total"])
+    assert main(["run", TINY, "--steps", "4", "--out", str(tmp_path / "online"), "--no-progress", *sets]) == 0
+    assert main(["run", TINY, "--steps", "4", "--out", str(tmp_path / "disk"), "--no-progress", *sets,
+                 "--hidden-states", str(tmp_path / "c")]) == 0
+    online, disk = metrics(tmp_path / "online"), metrics(tmp_path / "disk")
+    assert len(online) == len(disk) == 4
+    assert all(same(a, b) for a, b in zip(online, disk)), [(a["loss"], b["loss"]) for a, b in zip(online, disk)]
+    # the cache of 2 draws is not a cache of 1
+    assert main(["run", TINY, "--steps", "1", "--out", str(tmp_path / "x"), "--no-progress", *one,
+                 "--hidden-states", str(tmp_path / "c")]) == 2
+    assert "anchors.draws: the cache has 2, the graph has 1" in capsys.readouterr().err
+    # the draws differ, and pass 2 reads draw 0 again
+    src = CacheSource(compile_graph(TINY, [s for s in sets if s != "--set"]), tmp_path / "c", workers=0)
+    passes = [[src.next_inbox() for _ in range(4)] for _ in range(3)]
+    src.close()
+    assert not torch.equal(passes[0][0]["anchors_tx"], passes[1][0]["anchors_tx"])
+    assert torch.equal(passes[0][0]["features_tx"], passes[1][0]["features_tx"])        # stored once
+    for a, b in zip(passes[0], passes[2]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
