@@ -435,3 +435,21 @@ def test_anchor_draws_equal_online_for_k_passes(in_repo, tmp_path, capsys):
     assert torch.equal(passes[0][0]["features_tx"], passes[1][0]["features_tx"])        # stored once
     for a, b in zip(passes[0], passes[2]):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_hybrid_with_anchor_draws_equals_online(in_repo, tmp_path):
+    """--hybrid with [capture] anchor_draws = 2 on a one-document corpus: epoch 0 trains online and writes both
+    draws of each sample, epoch 1 reads draw 1: 4 steps equal the online run's, and the cache is the capture's."""
+    corpus = tmp_path / "one.jsonl"
+    corpus.write_text(open("graphs/tiny/corpus.jsonl").readline())
+    sets = [*SMALL, "--set", f"data.corpus={corpus}", "--set", "data.holdout=0", "--set", "capture.samples=4",
+            "--set", "capture.anchor_draws=2"]
+    assert main(["run", TINY, "--steps", "4", "--out", str(tmp_path / "h"), "--no-progress", *sets,
+                 "--hidden-states", str(tmp_path / "hc"), "--hybrid"]) == 0
+    assert main(["run", TINY, "--steps", "4", "--out", str(tmp_path / "online"), "--no-progress", *sets]) == 0
+    assert all(same(a, b) for a, b in zip(metrics(tmp_path / "online"), metrics(tmp_path / "h")))
+    assert len(metrics(tmp_path / "h")) == 4
+    assert main(["capture", TINY, "--out", str(tmp_path / "c"), "--no-progress", *sets]) == 0
+    for f in sorted((tmp_path / "c").glob("shard-*")):
+        assert file_sha256(f) == file_sha256(tmp_path / "hc" / f.name)

@@ -346,7 +346,7 @@ def capture_bill(plan, disk_dir: str | os.PathLike | None = None) -> Bill:
     held = stored_crossings(cut, K)          # NOTE [Anchor draws]
     pay = sum(c.nbytes for c in held)
     head = header_bytes(held, pay * shard)
-    draws = "one draw per sample" if K == 1 else f"{K} draws per sample ([capture] anchor_draws)"
+    draws = "one draw per sample" if K == 1 else f"{K} draws per sample"
     anchored = Storage("anchored", "the checked graph's transfers: " + ", ".join(c.node for c in cut.crossings)
                        + f" (anchors fixed at capture, {draws})", pay, pay + head, (pay + head) * samples, True)
     pay8 = sum(b for c in held for *_, b in stored_as(c, "fp8"))
@@ -408,10 +408,10 @@ def render_bill(b: Bill) -> str:
                  f"{fmt_bytes(b.one_draw_payload)}")
     more = b.draw_bytes.get("anchored")
     if more is not None:
-        held = ("1 anchor draw per sample" if b.anchor_draws == 1 else
-                f"{b.anchor_draws} anchor draws per sample (a run reads draw p mod {b.anchor_draws} in its pass p)")
-        lines.append(f"  {held} ([capture] anchor_draws); one more costs {fmt_bytes(more)} per sample "
-                     f"({_tb(more * b.samples)} in all; anchored-fp8: {fmt_bytes(b.draw_bytes['anchored-fp8'])})")
+        reads = "" if b.anchor_draws == 1 else f"; pass p over the cache reads draw p mod {b.anchor_draws}"
+        lines.append(f"  anchor draws: {b.anchor_draws} per sample ([capture] anchor_draws{reads}); one more costs "
+                     f"{fmt_bytes(more)} per sample ({_tb(more * b.samples)} in all; anchored-fp8: "
+                     f"{fmt_bytes(b.draw_bytes['anchored-fp8'])})")
     if b.drafter_step_seconds:
         lines.append(f"  read rate: a step's {b.samples_per_step} samples within the drafter's predicted busy time "
                      f"of {fmt_seconds(b.drafter_step_seconds)} per step")
