@@ -333,7 +333,8 @@ def _rank_of(pid: int) -> int | None:
 @pytest.mark.slow
 def test_capture_under_launch_one_writer_per_target_rank(runs, in_repo, tmp_path):
     """`launch --nproc-per-node 3 capture` on tiny (t0, t1: target ranks 0 and 1; the drafter's rank 2 writes
-    nothing): rank 1 is killed after its first shard, the launch is run again and resumes each rank's finished
+    nothing): rank 1 is killed after its first shard, the other ranks stop naming it (the heartbeats of
+    exec/distributed.py watch the capture and its final gather), the launch is run again and resumes each rank's finished
     shards; the merged manifest verifies, every tensor is the one-process capture's, and a run from the cache in one
     process gives the online run's losses, step for step."""
     out = tmp_path / "cache"
@@ -361,6 +362,8 @@ def test_capture_under_launch_one_writer_per_target_rank(runs, in_repo, tmp_path
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     assert p.returncode != 0, said
+    # the ranks that wait (the drafter's, in the final gather) and capture (rank 0) stop on the heartbeats, naming it
+    assert said.count("lost rank 1 (t1; pid") >= 2 and "killed (SIGKILL" in said, said
     assert not (out / "manifest.json").exists()         # written once, by the writer rank, when every rank is done
     kept1 = len(json.loads(part.read_text())["shards"])
     assert 1 <= kept1 < 6, "the kill came after rank 1 finished"

@@ -4,6 +4,7 @@ cache (train/hidden_cache.py; docs/offline.md)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from ..errors import GraphError, Location, Problem
@@ -24,12 +25,25 @@ def cmd_capture(args) -> int:
     except GraphError as e:
         if stage["shared"]:
             distributed.shared_verdict(str(e), 2)
+        if distributed.record_exit(str(e).splitlines()[0]):   # another rank already printed this very error
+            distributed.exit_now(2)
         raise
     except KeyboardInterrupt:
         if stage["shared"]:
             distributed.shared_verdict("interrupted: Ctrl-C before the capture started; nothing was written",
                                        distributed.EXIT_INTERRUPTED)
         raise
+    except distributed.RankLost as e:      # a rank was lost while this one captured or waited: every rank says so
+        print(f"dflash-graph: {e}; the finished shards are kept: the same command again resumes the capture",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(distributed.EXIT_LOST)    # a gather still pending on a dead peer would keep the process alive
+    except distributed.Interrupted as e:   # Ctrl-C: the lowest rank says so, once
+        if os.environ.get("RANK") == "0":
+            print(f"interrupted: {e}; the finished shards are kept: the same command again resumes the capture",
+                  file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(distributed.EXIT_INTERRUPTED)
 
 
 def _cmd_capture(args, stage: dict) -> int:

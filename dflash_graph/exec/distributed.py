@@ -373,10 +373,11 @@ class Comm:
             return None
         return None
 
-    def _watch(self, fut: Future, peer: int, what: str, stall: bool = True) -> None:
-        """Wait for a send or receive (running in a pool thread) while watching the peer and the clock (stall=False:
-        no stall_timeout, for a setup wait as long as the peer's loading takes, still ended by a recorded cause or
-        a lost heartbeat)."""
+    def _watch(self, fut: Future, peer: int | Sequence[int], what: str, stall: bool = True) -> None:
+        """Wait for a send or receive (running in a pool thread) while watching the peer (or each of several, for a
+        collective) and the clock (stall=False: no stall_timeout, for a setup wait as long as the peer's loading
+        takes, still ended by a recorded cause or a lost heartbeat)."""
+        peers = [peer] if isinstance(peer, int) else list(peer)
         t0 = time.monotonic()
         deadline = t0 + self.stall
         while True:
@@ -387,7 +388,7 @@ class Comm:
             except FutureTimeout:
                 pass
             except Exception as e:      # the op failed: the connection to the peer is gone
-                raise self._failed(peer, f"{what} failed on rank {self.rank} ({_short(e)})") from None
+                raise self._failed(peers, f"{what} failed on rank {self.rank} ({_short(e)})") from None
             self._stop_now()
             now = time.monotonic()
             if now - self._last_check > CHECK_EVERY:
@@ -395,19 +396,22 @@ class Comm:
                 cause = self._recorded_cause()
                 if cause:
                     raise self._interrupt(cause) if cause.startswith(INTERRUPT) else self._lost(None, cause)
-                if self._gone_peers([peer]):
-                    raise self._lost(peer, None)
-                if self._stale_peers([peer]):
-                    raise self._lost(peer, f"no heartbeat for {LOST_AFTER:.0f} s while rank {self.rank} waited on "
-                                           f"{what}")
+                gone = self._gone_peers(peers)
+                if gone:
+                    raise self._lost(gone[0][0], None)
+                stale = self._stale_peers(peers)
+                if stale:
+                    raise self._lost(stale[0][0], f"no heartbeat for {LOST_AFTER:.0f} s while rank {self.rank} "
+                                                  f"waited on {what}")
             if stall and now > deadline:
-                raise self._lost(peer, f"rank {self.rank} waited on {what} for longer than stall_timeout = "
+                raise self._lost(peers[0], f"rank {self.rank} waited on {what} for longer than stall_timeout = "
                                        f"{self.stall:g} s ([launch])")
 
-    def _failed(self, peer: int, why: str) -> Exception:
+    def _failed(self, peer: int | Sequence[int], why: str) -> Exception:
         """A send or receive failed: the peer stopped. Why it stopped decides what this rank reports: Ctrl-C here
         or there (the peer exits at once, so its connection closes before this rank sees the interrupt), a cause
-        recorded by another rank, or else the peer is lost."""
+        recorded by another rank, or else the peer is lost (of several, the one whose process is gone)."""
+        peers = [peer] if isinstance(peer, int) else list(peer)
         if self.interrupted is not None:
             return self._interrupt(self.interrupted)
         deadline = time.monotonic() + 2 * CHECK_EVERY   # the peer records its cause before it exits; wait for it a moment
@@ -418,7 +422,8 @@ class Comm:
             if self.interrupted is not None:
                 return self._interrupt(self.interrupted)
             if time.monotonic() >= deadline:
-                return self._lost(peer, why)
+                gone = self._gone_peers(peers)
+                return self._lost(gone[0][0] if gone else peers[0], why)
             time.sleep(CHECK_EVERY / 4)
 
     # -- receive queues ---------------------------------------------------------------------------------------
@@ -580,6 +585,17 @@ def gather_among(comm: Comm, obj, group, ranks: Sequence[int], what: str) -> lis
     fut = comm.pool.submit(dist.all_gather_object, out, obj, group)
     peer = next((k for k in ranks if k != comm.rank), comm.rank)
     comm._watch(fut, peer, what)
+    return out
+
+
+def gather_watching_all(comm: Comm, obj, dst: int, what: str) -> list | None:
+    """gather_object to `dst` on the control group, watching every other rank while it waits and without
+    stall_timeout (the ranks reach it when their own work is done, which may take hours: `capture`'s final
+    gather): a rank killed meanwhile, or whose heartbeat stops, or that records a cause, ends the wait on every
+    rank with a message that names it. Returns the gathered objects on `dst`, None elsewhere."""
+    out = [None] * comm.world if comm.rank == dst else None
+    fut = comm.pool.submit(dist.gather_object, obj, out, dst, comm.ctrl)
+    comm._watch(fut, [k for k in range(comm.world) if k != comm.rank], what, stall=False)
     return out
 
 

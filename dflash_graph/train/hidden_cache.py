@@ -341,12 +341,13 @@ def _fitting_bill(plan, out: Path, samples: int | None, kept_bytes: int = 0):
 
 
 def _write_share(plan, cut: Cut, writer: CacheWriter, out: Path, device_map=(), devices: tuple[str, ...] | None = None,
-                 progress: bool = True, stream=None, kept_bytes: int = 0) -> dict[str, Any]:
+                 progress: bool = True, stream=None, kept_bytes: int = 0, check=None) -> dict[str, Any]:
     """The capture loop, for one writer: in one process every sample of the cache (`writer.rank` None), under
     torchrun the samples of this target rank's replica (NOTE [One writer per target rank]), the other replicas'
     passed over. Samples in shards kept from before move the data on without running the target side; the rest
     are run and written, with a progress line after each shard. `devices`: this rank's target devices (default:
-    every target device). Returns what this writer did."""
+    every target device). `check(i)` before each sample (under torchrun: raises when the run must stop, a rank
+    lost or Ctrl-C). Returns what this writer did."""
     spec = plan.typed.ctx.spec
     N = writer.samples
     who = "" if writer.rank is None else f"rank {writer.rank[0]}: "
@@ -369,6 +370,8 @@ def _write_share(plan, cut: Cut, writer: CacheWriter, out: Path, device_map=(), 
         if writer.shard_done(k):
             side.advance()
             continue
+        if check is not None:
+            check(i)
         writer.add(i, side.sample())
         done += 1
         j = mine.index(i)
@@ -443,9 +446,9 @@ def capture_ranks(plan, out: Path, samples: int | None = None, overwrite: bool =
     its own share, gathers every rank's shards and writes manifest.json once. A rank without a target device (the
     drafter's) only takes part in the gather. Returns, on the writer rank, what was done over all ranks (None on
     the others). `stage["shared"]` is True until the process group exists (every rank's verdict is the same)."""
-    import torch.distributed as dist
-
     from ..analysis.capture import merge_parts, replica_ranks
+    from ..analysis.launch import analyze_launch
+    from ..exec.distributed import Comm, gather_watching_all
 
     stream = sys.stderr if stream is None else stream
     stage = {} if stage is None else stage
@@ -461,50 +464,55 @@ def capture_ranks(plan, out: Path, samples: int | None = None, overwrite: bool =
     bill = _fitting_bill(plan, out, N, kept_bytes)      # before anything is written or built
     rank = int(os.environ["RANK"])
     writer_rank = min(ranks)
-    dist.init_process_group(backend="gloo")      # the ranks exchange only Python objects (the shards' entries)
+    accum = int(spec.train.get("grad_accum") or 1)
+    # the ranks exchange only Python objects (the shards' entries), on the control group; every wait is watched
+    # by the heartbeats (exec/distributed.py): a rank lost while the others wait is named, and stops them
+    launch = analyze_launch(typed)
+    by_rank = {k: launch.rank_devices(k) for k in range(launch.world_size)}
+    tdev = torch_devices(spec, list(device_map), only=by_rank[rank])
+    comm = Comm(launch, by_rank, spec.launch.stall_timeout, lambda d: tdev[d])
     stage["shared"] = False
-    try:
-        if rank == writer_rank:
-            if overwrite:
-                for p in [*out.glob("shard-*.safetensors"), *out.glob("manifest*.json")]:
-                    p.unlink(missing_ok=True)
-            out.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        mine: list[dict] = []
-        stats = {"rank": rank, "forwards": 0, "written": 0, "kept": 0, "rewritten": [], "shards": 0, "seconds": 0.0}
-        if rank in ranks:
-            q = ranks.index(rank)
-            writer = CacheWriter(out, sig, N, shard_samples, cut, stored=stored_keys(typed), rank=(rank, q, R))
-            stats["kept"], stats["rewritten"], stats["shards"] = len(writer.kept), writer.rewritten, writer.shards
-            from ..analysis.launch import device_for
+    if rank == writer_rank:
+        if overwrite:
+            for p in [*out.glob("shard-*.safetensors"), *out.glob("manifest*.json")]:
+                p.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+    comm.broadcast(None, writer_rank, f"the writer rank's preparing of {out}")
+    mine: list[dict] = []
+    stats = {"rank": rank, "forwards": 0, "written": 0, "kept": 0, "rewritten": [], "shards": 0, "seconds": 0.0}
+    if rank in ranks:
+        q = ranks.index(rank)
+        writer = CacheWriter(out, sig, N, shard_samples, cut, stored=stored_keys(typed), rank=(rank, q, R))
+        stats["kept"], stats["rewritten"], stats["shards"] = len(writer.kept), writer.rewritten, writer.shards
+        from ..analysis.launch import device_for
 
-            devs = tuple(sorted({device_for(typed, n.device, q) for n in typed.graph.nodes
-                                 if set(typed.ctx.devices_of(n.device)) & set(cut.target_devices)}))
-            # the writer rank shows the progress of its own share
-            share = _write_share(plan, cut, writer, out, device_map, devices=devs,
-                                 progress=progress and rank == writer_rank, stream=stream)
-            mine = list(writer.kept.values())
-            stats.update(forwards=share["forwards"], written=share["written"], seconds=share["seconds"])
-        got = [None] * dist.get_world_size() if rank == writer_rank else None
-        dist.gather_object((mine, stats), got, dst=writer_rank)
-        result = None
-        if rank == writer_rank:
-            parts = {st["rank"]: es for es, st in got if st["rank"] in ranks}
-            m = merge_parts(sig, N, shard_samples, ranks, parts)
-            write_json_atomic(out / MANIFEST, m)         # once, atomically, after every rank's last shard
-            for r in ranks:
-                (out / part_name(r)).unlink(missing_ok=True)
-            fsync_dir(out)
-            st = [s for _, s in got if s["rank"] in ranks]
-            result = {"samples": N, "shards": sum(s["shards"] for s in st), "kept": sum(s["kept"] for s in st),
-                      "written_bytes": sum(s["written"] for s in st), "bytes": sum(e["bytes"] for e in m["shards"]),
-                      "seconds": max(s["seconds"] for s in st), "target_forwards": sum(s["forwards"] for s in st),
-                      "predicted_bytes": bill.default.total, "rewritten": [b for s in st for b in s["rewritten"]],
-                      "ranks": ranks}
-        dist.barrier()              # every rank ends once the manifest is in place
-        return result
-    finally:
-        dist.destroy_process_group()
+        devs = tuple(sorted({device_for(typed, n.device, q) for n in typed.graph.nodes
+                             if set(typed.ctx.devices_of(n.device)) & set(cut.target_devices)}))
+        # the writer rank shows the progress of its own share
+        share = _write_share(plan, cut, writer, out, device_map, devices=devs,
+                             progress=progress and rank == writer_rank, stream=stream,
+                             check=lambda i: comm.set_where(i // (accum * R), f"capture of sample {i}", q))
+        mine = list(writer.kept.values())
+        stats.update(forwards=share["forwards"], written=share["written"], seconds=share["seconds"])
+    comm.set_where((N - 1) // (accum * R), "the gather of every rank's shards", None)
+    got = gather_watching_all(comm, (mine, stats), writer_rank, "the gather of every rank's shards")
+    result = None
+    if rank == writer_rank:
+        parts = {st["rank"]: es for es, st in got if st["rank"] in ranks}
+        m = merge_parts(sig, N, shard_samples, ranks, parts)
+        write_json_atomic(out / MANIFEST, m)         # once, atomically, after every rank's last shard
+        for r in ranks:
+            (out / part_name(r)).unlink(missing_ok=True)
+        fsync_dir(out)
+        st = [s for _, s in got if s["rank"] in ranks]
+        result = {"samples": N, "shards": sum(s["shards"] for s in st), "kept": sum(s["kept"] for s in st),
+                  "written_bytes": sum(s["written"] for s in st), "bytes": sum(e["bytes"] for e in m["shards"]),
+                  "seconds": max(s["seconds"] for s in st), "target_forwards": sum(s["forwards"] for s in st),
+                  "predicted_bytes": bill.default.total, "rewritten": [b for s in st for b in s["rewritten"]],
+                  "ranks": ranks}
+    comm.broadcast(None, writer_rank, "the end of the capture")   # every rank ends once the manifest is in place
+    comm.close()
+    return result
 
 
 def _drafter_side_devices(plan, device_map=()) -> dict[str, str]:
