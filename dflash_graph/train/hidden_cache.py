@@ -6,7 +6,8 @@ NOTE [Sample order]: sample i of a cache is replica r of micro-batch a of step s
 its data the r-th replica shard's next packed sequence and its anchors drawn from the generator the trainer seeds
 with (seed, s, a, r) (train/trainer.micro_generator). A run from the cache reads the samples in that order, so
 its step s sees exactly the tensors the online run's step s received: same losses, step for step. A run longer
-than the cache reads it again from sample 0 (the anchored storage: the same anchors each pass).
+than the cache reads it again from sample 0 (the anchored storages: pass p reads draw p mod K, NOTE [Anchor draws]
+in analysis/capture.py).
 
 NOTE [Atomic shards]: a shard is written to a temporary beside it, fsynced, renamed into place, and only then
 recorded (with its sha256 and size) in manifest.json, itself replaced atomically. A kill at any point leaves
