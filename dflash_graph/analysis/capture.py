@@ -153,6 +153,8 @@ def anchor_draws(typed: Typed) -> int:
                                  "whole last hidden state and draws new anchors every pass, so it stores no draw",
                                  typed.ctx.spec.loc("capture", "anchor_draws"),
                                  hint="drop anchor_draws, or use storage = \"anchored\" to store K draws per sample"))
+    if k > 1:
+        redraw(typed, f"[capture] anchor_draws = {k}")    # the anchored crossings can be drawn again (else refused)
     return k
 
 
