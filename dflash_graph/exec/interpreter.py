@@ -180,6 +180,7 @@ class Interpreter:
                 outs = {"out": inbox.pop(n.id)}
                 if tr is not None:
                     tr.charge(dev, n.id)
+                    tr.receive(outs["out"], dev)   # it is this device's now, whoever made it (memtrack.receive)
             else:
                 ctx = ExecContext(n, params, tdev, dev, r, wanted, gen, self.store, batch_fn)
                 inputs = {p: env[ref] for p, ref in n.inputs}

@@ -56,6 +56,25 @@ class LiveTracker(TorchDispatchMode):
             self.live[device] += st.nbytes()
             self.peak[device] = max(self.peak[device], self.live[device])
 
+    def receive(self, t: torch.Tensor, device: str) -> None:
+        """A tensor that arrives on `device` as a transfer's output from outside the graph's nodes (a receive queue,
+        the hidden-state cache's loader): from now on its storage is `device`'s. A storage already charged there
+        (a receive buffer made by the trainer's _alloc) stays as it is; one charged elsewhere (the loader's host
+        buffer that a CPU transfer hands over without a copy), or made before tracking began, is charged to `device`
+        from here until it dies, as check counts a transfer's output (analysis/memory.py)."""
+        for inner in _plain(t):
+            if inner.device.type == "meta":
+                continue
+            st = inner.untyped_storage()
+            key = st.data_ptr() if st.nbytes() else id(st)
+            ref, dev, n = self._refs.get(key, (None, None, 0))
+            if ref is not None and ref() is st and dev == device:
+                continue
+            if ref is not None and ref() is st and dev in self.live:
+                del self._refs[key]
+                self.live[dev] -= n
+            self._count(st, device, st.nbytes())
+
     def _add(self, t: torch.Tensor, device: str | None) -> None:
         if device is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return

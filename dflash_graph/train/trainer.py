@@ -62,6 +62,10 @@ from .metrics import RunStats, acceptance, coverage, json_line
 from .rundir import resumed_steps, write_json
 
 
+# the host memory a run from the hidden-state cache reads into, as the live tracker names it (not a graph device)
+SOURCE_HOST = "(host: hidden-state source)"
+
+
 @attrs.define
 class RunOptions:
     out: Path
@@ -481,6 +485,22 @@ class Trainer:
             tr.charge(*prev)
         return buf
 
+    def _from_source(self) -> dict[str, torch.Tensor]:
+        """The next sample's transfers from the source (run --hidden-states). What the source holds on the host
+        while it reads (the loader's shards, a hybrid run's target side) is charged to SOURCE_HOST, not to the
+        device whose node ran last; each tensor becomes the drafter device's at its transfer's receive
+        (Interpreter.run_replica, memtrack.receive), where check counts it (NOTE [From-disk memory],
+        analysis/from_disk.py)."""
+        tr = self.interp.tracker
+        if tr is None:
+            return self.opts.source.next_inbox()
+        prev = (tr.device, tr.node)
+        tr.charge(SOURCE_HOST, "hidden-state source")
+        try:
+            return self.opts.source.next_inbox()
+        finally:
+            tr.charge(*prev)
+
     # -- one step ----------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any]:
         accum = self.accum
@@ -511,7 +531,7 @@ class Trainer:
                     continue
                 t0 = time.perf_counter()
                 w0 = comm.wait_seconds if comm else 0.0
-                inbox = self.opts.source.next_inbox() if self.opts.source is not None else None
+                inbox = self._from_source() if self.opts.source is not None else None
                 if comm is not None and self.receives[r]:
                     comm.set_where(step + 1, "(waiting for its batch)", r)
                     inbox, headers = comm.receive(step, a, r, self._alloc)
