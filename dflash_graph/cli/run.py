@@ -60,6 +60,34 @@ def _cache_source(args, plan, distributed: bool):
                        device_map=args.device_map)
 
 
+def _from_disk_plan(plan, source):
+    """run --hidden-states (not --hybrid): the plan's memory cut to the drafter side, with the cache's loader on the
+    host (NOTE [From-disk memory], analysis/from_disk.py). The target devices do not exist in this run, so they
+    are neither printed nor part of the verdict."""
+    import attrs
+
+    from ..analysis.from_disk import from_disk_memory
+
+    fd = from_disk_memory(plan.memory, plan.typed.ctx.spec, source.drafter_devices, source.loader_memory())
+    before = plan.memory_before
+    if before is not None:
+        before = attrs.evolve(before, devices={n: d for n, d in before.devices.items() if n in fd.memory.devices},
+                              host=None)
+    return attrs.evolve(plan, memory=fd.memory, memory_before=before), fd
+
+
+def _render_from_disk_host(fd) -> str:
+    from ..units import fmt_bytes
+    from .console import span
+    from .report import _host_has
+
+    host = fd.memory.host
+    n = len(host.devices)
+    cpus = f"the peak{'s' if n > 1 else ''} of {span(list(host.devices))} (CPU) and " if n else ""
+    return (f"host memory: {cpus}the hidden-state loader's {fd.loader.text()} need {fmt_bytes(host.need_bytes)} "
+            f"together; {_host_has(host)}" + ("" if host.fits else "   OOM"))
+
+
 def cmd_run(args) -> int:
     """Under torchrun every rank runs this. Until the process group exists, every rank checks the same graph and
     flags and reaches the same verdict: a refusal then is printed once per machine (exec.distributed.
@@ -123,6 +151,9 @@ def _cmd_run(args, stage: dict) -> int:
     source = None     # a cache of another graph is refused before anything is printed or written
     if getattr(args, "hidden_states", None) or getattr(args, "hybrid", False):
         source = _cache_source(args, plan, distributed)
+    from_disk = None
+    if source is not None and not args.hybrid:   # the drafter side alone: its devices and the loader's host memory
+        plan, from_disk = _from_disk_plan(plan, source)
     from ..train import rundir
 
     resume = Path(args.resume) if args.resume else None
@@ -146,7 +177,9 @@ def _cmd_run(args, stage: dict) -> int:
     if talk:
         print(f"{spec.file}: graph '{spec.name}', {len(plan.typed.graph)} nodes; {render_rewrites(plan).splitlines()[0]}")
         print(render_memory(plan.memory, plan.memory_before))
-        if plan.memory.host is not None:
+        if from_disk is not None:
+            print(_render_from_disk_host(from_disk))
+        elif plan.memory.host is not None:
             print(render_host(plan.memory.host))
         for note in kernel_notes(plan.typed.ctx.models):   # what runs here differs from what check assumed
             print(note, file=sys.stderr)
@@ -155,7 +188,16 @@ def _cmd_run(args, stage: dict) -> int:
 
             print(render_launch(plan.typed).splitlines()[0].replace("launch: ", "launch (this run): "), flush=True)
     if not plan.memory.fits:
-        if talk:
+        if talk and from_disk is not None and not from_disk.memory.host.fits:
+            print(f"OOM on host memory: {_render_from_disk_host(from_disk).removeprefix('host memory: ')}\n"
+                  f"hint: fewer loader workers hold fewer shards (--loader-workers 0 holds 2), or capture in "
+                  f"smaller shards ([capture] shard_samples); or, for a run on another host, declare its memory: "
+                  f"--host-memory 512GiB", file=sys.stderr)
+            if plan.memory.ooms:
+                import attrs
+
+                print(render_ooms(attrs.evolve(plan, memory=attrs.evolve(plan.memory, host=None))), file=sys.stderr)
+        elif talk:
             print(render_ooms(plan), file=sys.stderr)
         if not args.force:
             if talk:

@@ -669,6 +669,14 @@ class CacheSource:
     def drafter_devices(self) -> tuple[str, ...]:
         return self.cut.drafter_devices
 
+    def loader_memory(self):
+        """The host memory this reader holds at most: shards of the cache's largest in flight (NOTE [From-disk
+        memory], analysis/from_disk.py)."""
+        from ..analysis.from_disk import LoaderMemory
+
+        return LoaderMemory(max(int(e["bytes"]) for e in self.entries), self.workers,
+                            self.prefetch if self.workers > 0 else 0)
+
     def _loader(self):
         kw = {"num_workers": self.workers}
         if self.workers > 0:

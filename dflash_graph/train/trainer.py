@@ -1036,6 +1036,13 @@ class Trainer:
                                "measured_steps": [self.start_step + 1, step],
                                "devices": {d: devices[d] for d in self.plan.memory.devices if d in devices},
                                "nodes": nodes}
+        loader = getattr(self.opts.source, "loader_memory", None)
+        if loader is not None and tr is not None:   # run --hidden-states: the loader's host memory (NOTE [From-disk memory])
+            lm = loader()
+            out["host_source"] = {"predicted_peak_bytes": lm.bytes, "predicted": lm.text(),
+                                  "measured_in_process_peak_bytes": int(tr.peak[SOURCE_HOST]),
+                                  "measured": "what the training process held for the source (the shard being "
+                                              "consumed); the workers' prefetched shards are other processes'"}
         if step <= self.start_step:
             return out["devices"]
         path = self.opts.out / "memory.json"
