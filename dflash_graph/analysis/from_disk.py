@@ -29,6 +29,7 @@ from collections.abc import Iterable
 
 import attrs
 
+from .launch import Launch, analyze_launch, device_for
 from .memory import HostMemory, MemoryReport, host_memory_bytes, is_cpu
 
 
@@ -80,3 +81,35 @@ def from_disk_memory(memory: MemoryReport, spec, drafter_devices: Iterable[str],
     avail, source = host_memory_bytes(spec)
     host = HostMemory(cpus, sum(devices[n].reserved_peak_bytes for n in cpus) + loader.bytes, avail, source)
     return FromDiskMemory(attrs.evolve(memory, devices=devices, host=host), loader)
+
+
+def drafter_launch(typed, drafter_devices: Iterable[str]) -> Launch:
+    """NOTE [From disk under torchrun]: the launch of a run from the cache: the drafter side's devices on ranks
+    0..M-1 (their graph ranks in order), no cross-rank transfer, the graph's replicas. Raises GraphError when the
+    drafter side itself sends between ranks."""
+    from ..errors import GraphError, Problem
+    from ..ops import registry
+
+    spec, g = typed.ctx.spec, typed.graph
+    full = analyze_launch(typed)
+    side = [d for d in spec.devices if d in set(drafter_devices)]
+    ranks = sorted({full.devices[d].rank for d in side})
+    new = {old: k for k, old in enumerate(ranks)}
+    for r in range(full.replicas):
+        for n in g.nodes:
+            if not registry.get(n.op).traits.movement:
+                continue
+            (_, src), = n.inputs
+            a, b = device_for(typed, g[src.node].device, r), device_for(typed, n.device, r)
+            if a in side and b in side and full.devices[a].rank != full.devices[b].rank:
+                raise GraphError(Problem(
+                    f"transfer '{n.id}' goes from {a} (rank {full.devices[a].rank}) to {b} (rank "
+                    f"{full.devices[b].rank}) on the drafter side: a run from the hidden-state cache under torchrun "
+                    "runs each drafter replica's side on one rank", typed.ctx.loc(n),
+                    hint="give the drafter side's devices of one replica one rank (`rank` on the devices), or run "
+                         "--hidden-states in one process"))
+    devices = {d: attrs.evolve(full.devices[d], rank=new[full.devices[d].rank],
+                               peers=tuple(sorted(new[p] for p in full.devices[d].peers if p in new)),
+                               receive_queue_bytes=0)
+               for d in side}
+    return Launch(len(ranks), full.backend, devices, (), full.replicas)

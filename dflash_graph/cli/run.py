@@ -28,18 +28,17 @@ def _allocator_env(plan) -> None:
               "[memory] assumes the default allocator", file=sys.stderr)
 
 
-def _cache_source(args, plan, distributed: bool):
+def _cache_source(args, plan, launch):
     """run --hidden-states DIR: the drafter side's inputs from the cache (train/hidden_cache.CacheSource), which
-    is refused when its signature differs from this graph's."""
+    is refused when its signature differs from this graph's. `launch`: under torchrun, the drafter side's ranks
+    (NOTE [From disk under torchrun]): this rank reads the samples of the replicas it trains."""
     from ..errors import GraphError, Location, Problem
 
     if args.hybrid and not args.hidden_states:
         raise GraphError(Problem("--hybrid captures into the cache --hidden-states names", Location(flag="--hybrid"),
                                  hint="add --hidden-states DIR"))
-    if distributed:
-        raise GraphError(Problem("--hidden-states runs in one process for now (the drafter side alone under torchrun "
-                                 "is not implemented)", Location(flag="--hidden-states"),
-                                 hint="run without torchrun"))
+    if launch is not None:
+        _refuse_hybrid_under_torchrun(args, plan)
     if args.loader_workers < 0:
         raise GraphError(Problem(f"--loader-workers must be 0 or more, got {args.loader_workers}",
                                  Location(flag=f"--loader-workers {args.loader_workers}"), hint="e.g. --loader-workers 2"))
@@ -56,8 +55,16 @@ def _cache_source(args, plan, distributed: bool):
                   "nothing will be read back; set [capture] samples to one epoch (--set capture.samples=N)",
                   file=sys.stderr)
         return src
+    mine = None
+    if launch is not None:   # the replicas whose drafter replica (the trainable nodes) is on this rank
+        from ..analysis.launch import device_for
+        from ..analysis.nodecost import grad_nodes
+
+        typed, rank = plan.typed, int(os.environ["RANK"])
+        mine = frozenset(r for r in range(launch.replicas) for n in grad_nodes(typed)
+                         if launch.devices[device_for(typed, typed.graph[n].device, r)].rank == rank)
     return CacheSource(plan, Path(args.hidden_states), args.on_bad_shard, args.loader_workers,
-                       device_map=args.device_map)
+                       device_map=args.device_map, own_replicas=mine)
 
 
 def _from_disk_plan(plan, source):
@@ -86,6 +93,21 @@ def _render_from_disk_host(fd) -> str:
     cpus = f"the peak{'s' if n > 1 else ''} of {span(list(host.devices))} (CPU) and " if n else ""
     return (f"host memory: {cpus}the hidden-state loader's {fd.loader.text()} need {fmt_bytes(host.need_bytes)} "
             f"together; {_host_has(host)}" + ("" if host.fits else "   OOM"))
+
+
+def _refuse_hybrid_under_torchrun(args, plan) -> None:
+    from ..errors import GraphError, Location, Problem
+
+    if not getattr(args, "hybrid", False):
+        return
+    f = plan.typed.ctx.spec.file
+    raise GraphError(Problem("--hybrid runs the target side in the run's own process, which a run from the cache "
+                             "under torchrun does not have (its ranks are the drafter side's)",
+                             Location(flag="--hybrid"),
+                             hint=f"capture under the launch first, then train from the cache: dflash-graph launch "
+                                  f"--nproc-per-node N capture {f} --out {args.hidden_states}, then dflash-graph "
+                                  f"launch --nproc-per-node M run {f} --hidden-states {args.hidden_states} (N and M: "
+                                  "what each command says when launched with another size)"))
 
 
 def cmd_run(args) -> int:
@@ -143,14 +165,22 @@ def _cmd_run(args, stage: dict) -> int:
     plan = compile_graph(args.graph, [*args.overrides, *host, *mapped_overrides(args, host)], rewrite=not args.no_rewrite,
                          rules_off=args.rules_off)
     spec = plan.typed.ctx.spec
+    launch = None
     if distributed:   # a launch of the wrong size is the first thing to fix: refused before the report
         from ..analysis.launch import analyze_launch
         from ..exec.distributed import check_launch
 
-        check_launch(plan.typed, analyze_launch(plan.typed))
+        launch = analyze_launch(plan.typed)
+        _refuse_hybrid_under_torchrun(args, plan)
+        if getattr(args, "hidden_states", None):   # the drafter side's ranks alone (NOTE [From disk under torchrun])
+            from ..analysis.capture import find_cut
+            from ..analysis.from_disk import drafter_launch
+
+            launch = drafter_launch(plan.typed, find_cut(plan.typed).drafter_devices)
+        check_launch(plan.typed, launch)
     source = None     # a cache of another graph is refused before anything is printed or written
     if getattr(args, "hidden_states", None) or getattr(args, "hybrid", False):
-        source = _cache_source(args, plan, distributed)
+        source = _cache_source(args, plan, launch if distributed else None)
     from_disk = None
     if source is not None and not args.hybrid:   # the drafter side alone: its devices and the loader's host memory
         plan, from_disk = _from_disk_plan(plan, source)
@@ -183,7 +213,11 @@ def _cmd_run(args, stage: dict) -> int:
             print(render_host(plan.memory.host))
         for note in kernel_notes(plan.typed.ctx.models):   # what runs here differs from what check assumed
             print(note, file=sys.stderr)
-        if distributed:
+        if distributed and source is not None:
+            ranks = ", ".join(f"{d}={v.rank}" for d, v in launch.devices.items())
+            print(f"launch (this run): {launch.world_size} rank(s), the drafter side alone, each reading its replicas' "
+                  f"samples from {args.hidden_states} ({ranks})", flush=True)
+        elif distributed:
             from .launch import render_launch
 
             print(render_launch(plan.typed).splitlines()[0].replace("launch: ", "launch (this run): "), flush=True)
@@ -213,7 +247,7 @@ def _cmd_run(args, stage: dict) -> int:
         rundir.prepare(out, resume, getattr(args, "overwrite", False))
     opts = RunOptions(out=out, steps=args.steps, resume=resume,
                       device_map=parse_device_map(args.device_map), strict=args.strict,
-                      progress=not args.no_progress, distributed=distributed, source=source)
+                      progress=not args.no_progress, distributed=distributed, source=source, launch=launch)
     from ..exec.distributed import EXIT_INTERRUPTED, EXIT_LOST, Interrupted, RankLost
 
     stage["shared"] = False   # from here on, what fails may fail on one rank only
@@ -224,10 +258,9 @@ def _cmd_run(args, stage: dict) -> int:
         sys.stdout.flush()
         os._exit(EXIT_LOST)   # a collective still pending in a helper thread would keep the process alive
     except Interrupted as e:   # Ctrl-C during setup: the writer says so, once (as it does in training)
-        from ..analysis.launch import analyze_launch
         from ..exec.distributed import writer_ranks
 
-        if int(os.environ["RANK"]) == min(writer_ranks(plan.typed, analyze_launch(plan.typed))):
+        if int(os.environ["RANK"]) == min(writer_ranks(plan.typed, launch)):
             print(f"interrupted: {e} before training started; nothing trained", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_INTERRUPTED)

@@ -175,8 +175,8 @@ def heldout_after(run_args, targs) -> int:
     A launch over several machines is told how to measure tau instead."""
     from pathlib import Path
 
-    if getattr(run_args, "cmd", None) != "run":
-        return 0
+    if getattr(run_args, "cmd", None) != "run" or getattr(run_args, "hidden_states", None):
+        return 0     # a run from the hidden-state cache has no target to evaluate with (its summary says how)
     nodes = str(getattr(targs, "nnodes", "1") or "1")
     if nodes.split(":")[-1] != "1":
         print("note: the held-out evaluation runs in one process, and this launch spans several machines: "

@@ -604,8 +604,7 @@ def writer_ranks(typed, launch: Launch) -> set[int]:
     from ..analysis.launch import device_for
     from ..analysis.nodecost import grad_nodes
 
-    spec = typed.ctx.spec
-    return {spec.rank_of(device_for(typed, typed.graph[n].device, r)) for n in grad_nodes(typed)
+    return {launch.devices[device_for(typed, typed.graph[n].device, r)].rank for n in grad_nodes(typed)
             for r in range(launch.replicas)}
 
 

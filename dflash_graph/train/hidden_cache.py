@@ -627,11 +627,16 @@ def _capture_command(plan, m: dict) -> str:
 
 class CacheSource:
     """Where the drafter side's inputs come from in `run --hidden-states DIR`: the cache's samples in order, as
-    the receives of the drafter side's transfers (NOTE [Sample order])."""
+    the receives of the drafter side's transfers (NOTE [Sample order]). `own_replicas`: under torchrun, the replica
+    indices this drafter rank trains (NOTE [From disk under torchrun], analysis/from_disk.py): it reads only the
+    samples i with i % R among them, in order, and only the shards that hold one."""
 
     def __init__(self, plan, directory: Path, on_bad_shard: str = "stop", workers: int = 1, prefetch: int = 2,
-                 sig: dict[str, Any] | None = None, device_map=()):
+                 sig: dict[str, Any] | None = None, device_map=(), own_replicas: frozenset[int] | None = None):
         self.dir = directory
+        self.R = replicas(plan.typed)
+        self.mine = (None if own_replicas is None or set(own_replicas) >= set(range(self.R))
+                     else frozenset(own_replicas))
         self._device = _drafter_side_devices(plan, device_map)
         self.redrawer = Redrawer(plan) if storage_of(plan.typed.ctx.spec.capture) == "all" else None
         m = read_manifest(directory)
@@ -652,7 +657,7 @@ class CacheSource:
                                      f"{shard_of(m, missing[0])})", Location(str(directory / MANIFEST)),
                                      hint=f"finish it: {_capture_command(plan, m)} {plan.typed.ctx.spec.file} --out "
                                           f"{directory} (writes only what is missing)"))
-        self.entries = entries
+        self.entries = [e for e in entries if any(self._wanted(i) for i in entry_samples(e))]
         self.on_bad = on_bad_shard
         self.workers, self.prefetch = workers, prefetch
         self.skipped_samples = 0
@@ -668,6 +673,9 @@ class CacheSource:
     @property
     def drafter_devices(self) -> tuple[str, ...]:
         return self.cut.drafter_devices
+
+    def _wanted(self, i: int) -> bool:
+        return self.mine is None or i % self.R in self.mine
 
     def loader_memory(self):
         """The host memory this reader holds at most: shards of the cache's largest in flight (NOTE [From-disk
@@ -699,7 +707,7 @@ class CacheSource:
                     self.close()
             if self._pos in self._buf:
                 return self._pos
-            if self._pos in self._gone:
+            if self._pos in self._gone or not self._wanted(self._pos):
                 self._pos += 1
                 continue
             if self._it is None:
@@ -722,6 +730,8 @@ class CacheSource:
             self.read += 1
             draw = self.passes % self.draws          # pass p reads draw p mod K (NOTE [Anchor draws])
             for i in entry_samples(e):
+                if not self._wanted(i):
+                    continue
                 if self.redrawer is not None:
                     self._buf[i] = _sample(got, i)
                 else:
@@ -748,11 +758,12 @@ class CacheSource:
             it._shutdown_workers()
 
     def skip(self, n: int) -> None:
-        """Past the first n samples (what --resume does: its checkpoint's step, in samples): into pass n // N, whose
-        draw the next samples are (NOTE [Anchor draws])."""
+        """Past the first n samples of the run, of every replica (what --resume does: its checkpoint's step, in
+        samples): into pass n // N, whose draw the next samples are (NOTE [Anchor draws]); this reader delivers its
+        own among them."""
         passes, n = divmod(n, self.samples_total)
         self.passes += passes
-        for _ in range(n):
+        for _ in range(sum(1 for i in range(n) if self._wanted(i))):
             self.next_inbox()
 
 

@@ -80,6 +80,9 @@ class RunOptions:
     # `drafter_devices` and `next_inbox()` (train/hidden_cache.CacheSource): only the drafter side's nodes run, and
     # its transfers receive the source's tensors (run --hidden-states)
     source: Any = None
+    # the launch this run is: None, the graph's (analysis/launch.analyze_launch); a run from the cache under
+    # torchrun: the drafter side's ranks alone (analysis/from_disk.drafter_launch, NOTE [From disk under torchrun])
+    launch: Any = None
 
 
 def _lr_lambda(warmup: int, total: int):
@@ -247,13 +250,14 @@ class Trainer:
         # as many; a resume takes both from its checkpoint (below)
         self.steps = self.schedule_steps = opts.steps if opts.steps is not None else int(self.cfg["steps"])
         self.accum = int(self.cfg["grad_accum"])
-        self.launch = analyze_launch(typed)
+        self.launch = opts.launch if opts.launch is not None else analyze_launch(typed)
         grads = grad_nodes(typed)
         if not grads:
             raise GraphError(Problem("nothing to train: no node uses a trainable model", spec.loc("models"),
                                      hint="set trainable = true on the drafter model"))
         R = self.launch.replicas
-        writer_ranks = {spec.rank_of(device_for(typed, typed.graph[n].device, r)) for n in grads for r in range(R)}
+        writer_ranks = {self.launch.devices[device_for(typed, typed.graph[n].device, r)].rank
+                        for n in grads for r in range(R)}
         self.comm = None
         self.rank = 0
         local = None
