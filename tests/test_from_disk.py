@@ -83,3 +83,92 @@ def test_loader_bound():
     assert LoaderMemory(100, 0, 0).shards == 2
     assert LoaderMemory(100, 1, 2).shards == 4
     assert LoaderMemory(100, 4, 2).bytes == 13 * 100
+
+
+def test_drafter_launch_is_the_drafter_sides_ranks(in_repo):
+    """NOTE [From disk under torchrun]: tiny_dp's drafter side is d0, d1 (graph ranks 2, 3): a run from the cache
+    launches 2 ranks, d0 on 0 and d1 on 1, with no transfer between ranks; tiny's drafter alone is 1 rank."""
+    from dflash_graph.analysis.capture import find_cut
+    from dflash_graph.analysis.from_disk import drafter_launch
+    from dflash_graph.rewrite.pipeline import compile_graph
+
+    for graph, ranks in (("graphs/tiny_dp.toml", {"d0": 0, "d1": 1}), (TINY, {"draft": 0})):
+        typed = compile_graph(graph).typed
+        launch = drafter_launch(typed, find_cut(typed).drafter_devices)
+        assert {d: v.rank for d, v in launch.devices.items()} == ranks
+        assert launch.world_size == len(ranks) and launch.transfers == () and launch.replicas == 2
+
+
+def test_a_rank_reads_its_replicas_samples(cache, in_repo):
+    """Under torchrun a drafter rank reads the samples of its replicas only, by the online split (sample i is
+    replica i % R): replica 1 of tiny gets samples 1 and 3, then 1 again on the next pass, each the tensors the
+    one-process reader hands over for that sample."""
+    import torch
+
+    from dflash_graph.rewrite.pipeline import compile_graph
+    from dflash_graph.train.hidden_cache import CacheSource
+
+    plan = compile_graph(TINY, ["train.eval_every=0"])
+    every = CacheSource(plan, cache, workers=0)
+    samples = [every.next_inbox() for _ in range(4)]
+    one = CacheSource(plan, cache, workers=0, own_replicas=frozenset({1}))
+    got = [one.next_inbox() for _ in range(3)]
+    for g, i in zip(got, (1, 3, 1)):
+        assert set(g) == set(samples[i]) and all(torch.equal(g[k], samples[i][k]) for k in g), i
+    every.close()
+    one.close()
+
+
+@pytest.mark.slow     # about 90 s on the shared 2-core machine: a 4-rank and a 2-rank launch, each importing torch
+def test_from_disk_under_launch_equals_the_online_data_parallel_run(in_repo, tmp_path):
+    """`dflash-graph launch --nproc-per-node 2 run graphs/tiny_dp.toml --hidden-states DIR`: the drafter side's 2
+    ranks (d0, d1), each reading its replica's samples from a cache captured in one process, train the drafter under
+    DDP and give the online tiny_dp run's (4 ranks) metrics step for step, exactly (the tolerance tests/test_dp.py
+    states for tiny_dp: 0). Every process of each launch is killed when the test ends, pass or fail."""
+    import os
+    import subprocess
+    import sys
+
+    from test_capture import _descendants
+    from test_distributed import session_gone, torchrun
+    from test_run import read_metrics
+
+    small = ["--set", "train.eval_every=0", "--set", "capture.shard_samples=1"]
+    cache, online, disk = tmp_path / "cache", tmp_path / "online", tmp_path / "disk"
+    assert main(["capture", "graphs/tiny_dp.toml", "--out", str(cache), "--samples", "4", "--no-progress",
+                 *small]) == 0
+    code, said = torchrun(4, ["graphs/tiny_dp.toml", "--steps", "2", "--out", str(online), *small])
+    assert code == 0, said
+    cmd = [sys.executable, "-m", "dflash_graph", "launch", "--standalone", "--nproc-per-node", "2", "run",
+           "graphs/tiny_dp.toml", "--hidden-states", str(cache), "--steps", "2", "--out", str(disk), "--no-progress",
+           *small]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        said, _ = p.communicate(timeout=300)
+    finally:
+        for c in _descendants(p.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c, 9)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, 9)
+        p.wait()
+    assert p.returncode == 0, said
+    assert session_gone(p.pid)
+    assert "launch (this run): 2 rank(s), the drafter side alone" in said
+    assert "held-out @" not in said          # no target to evaluate with after the launch
+    a, b = read_metrics(online), read_metrics(disk)
+    assert [r["step"] for r in b] == [1, 2]
+    keys = ("loss", "grad_norm", "slot_acc", "tau", "slot_accept", "lr")
+    for ra, rb in zip(a, b):
+        assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}, ra["step"]
+        assert set(rb["ranks"]) == {"0", "1"}
+    assert json.loads((disk / "ranks" / "rank0.json").read_text())["writer"] is True
+    mem = json.loads((disk / "memory.json").read_text())
+    assert mem["processes"] == 2 and {d: v["rank"] for d, v in mem["devices"].items()} == {"d0": 0, "d1": 1}
+    # the drafter devices hold what they hold online (the live tracker, byte for byte)
+    on = json.loads((online / "memory.json").read_text())["devices"]
+    assert {d: v["measured_peak_bytes"] for d, v in mem["devices"].items()} == \
+        {d: on[d]["measured_peak_bytes"] for d in ("d0", "d1")}
