@@ -172,3 +172,34 @@ def test_from_disk_under_launch_equals_the_online_data_parallel_run(in_repo, tmp
     on = json.loads((online / "memory.json").read_text())["devices"]
     assert {d: v["measured_peak_bytes"] for d, v in mem["devices"].items()} == \
         {d: on[d]["measured_peak_bytes"] for d in ("d0", "d1")}
+
+
+def test_a_from_disk_launch_of_the_online_size_is_refused_with_the_drafter_sides(in_repo, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """tiny_dp online is 4 ranks; from the cache it is its 2 drafter ranks: a launch of 4 is refused before any
+    work (exit 2) naming --nproc-per-node 2 and the drafter devices' ranks; --hybrid under torchrun is refused
+    with the commands to run instead."""
+    from dflash_graph.exec import distributed as D
+
+    exits = []
+
+    def _exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(D.os, "_exit", _exit)
+    monkeypatch.setattr(D.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(D, "VERDICT_WAIT", 0.0)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for extra, said in (([], ["torchrun started 4 processes, but the graph's devices map to 2 rank(s) (d0=0, d1=1)",
+                              "--nproc-per-node 2"]),
+                        (["--hybrid"], ["--hybrid runs the target side in the run's own process",
+                                        "dflash-graph launch --nproc-per-node N capture graphs/tiny_dp.toml"])):
+        with pytest.raises(SystemExit):
+            main(["run", "graphs/tiny_dp.toml", "--out", str(tmp_path / "run"), "--no-progress",
+                  "--hidden-states", str(tmp_path / "cache"), *extra])
+        err = capsys.readouterr().err
+        assert all(s in err for s in said), err
+    assert exits == [2, 2] and not (tmp_path / "run").exists()
