@@ -203,3 +203,10 @@ def test_a_from_disk_launch_of_the_online_size_is_refused_with_the_drafter_sides
         err = capsys.readouterr().err
         assert all(s in err for s in said), err
     assert exits == [2, 2] and not (tmp_path / "run").exists()
+
+
+def test_loader_bound_counts_every_reading_rank():
+    """Under torchrun each drafter rank runs its own loader: M of them on the host."""
+    one = LoaderMemory(1000, 1, 2)
+    two = LoaderMemory(1000, 1, 2, readers=2)
+    assert two.bytes == 2 * one.bytes == 8000 and "in each of 2 ranks" in two.text()

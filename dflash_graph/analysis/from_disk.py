@@ -35,10 +35,12 @@ from .memory import HostMemory, MemoryReport, host_memory_bytes, is_cpu
 
 @attrs.frozen
 class LoaderMemory:
-    """The host memory of the cache's loader: shards of `shard_bytes` (the cache's largest) in flight."""
+    """The host memory of the cache's loader: shards of `shard_bytes` (the cache's largest) in flight, in each of
+    `readers` processes (under torchrun every drafter rank reads its own samples)."""
     shard_bytes: int
     workers: int
     prefetch: int
+    readers: int = 1
 
     @property
     def shards(self) -> int:
@@ -49,7 +51,7 @@ class LoaderMemory:
 
     @property
     def bytes(self) -> int:
-        return self.shards * self.shard_bytes
+        return self.shards * self.shard_bytes * self.readers
 
     def text(self) -> str:
         from ..units import fmt_bytes
@@ -57,7 +59,8 @@ class LoaderMemory:
         how = ("read in the training process: a shard's bytes and its tensors while it decodes" if self.workers == 0
                else f"{self.workers} worker{'s' if self.workers > 1 else ''} x prefetch {self.prefetch}, a shard being decoded per worker, "
                     "and the one being consumed")
-        return f"{self.shards} shards of {fmt_bytes(self.shard_bytes)} ({how})"
+        each = f" in each of {self.readers} ranks" if self.readers > 1 else ""
+        return f"{self.shards} shards of {fmt_bytes(self.shard_bytes)}{each} ({how})"
 
 
 @attrs.frozen

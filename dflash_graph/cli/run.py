@@ -67,15 +67,18 @@ def _cache_source(args, plan, launch):
                        device_map=args.device_map, own_replicas=mine)
 
 
-def _from_disk_plan(plan, source):
+def _from_disk_plan(plan, source, launch):
     """run --hidden-states (not --hybrid): the plan's memory cut to the drafter side, with the cache's loader on the
     host (NOTE [From-disk memory], analysis/from_disk.py). The target devices do not exist in this run, so they
-    are neither printed nor part of the verdict."""
+    are neither printed nor part of the verdict. Under torchrun (`launch`) every rank runs a loader of its own."""
     import attrs
 
     from ..analysis.from_disk import from_disk_memory
 
-    fd = from_disk_memory(plan.memory, plan.typed.ctx.spec, source.drafter_devices, source.loader_memory())
+    loader = source.loader_memory()
+    if launch is not None:
+        loader = attrs.evolve(loader, readers=launch.world_size)
+    fd = from_disk_memory(plan.memory, plan.typed.ctx.spec, source.drafter_devices, loader)
     before = plan.memory_before
     if before is not None:
         before = attrs.evolve(before, devices={n: d for n, d in before.devices.items() if n in fd.memory.devices},
@@ -183,7 +186,7 @@ def _cmd_run(args, stage: dict) -> int:
         source = _cache_source(args, plan, launch if distributed else None)
     from_disk = None
     if source is not None and not args.hybrid:   # the drafter side alone: its devices and the loader's host memory
-        plan, from_disk = _from_disk_plan(plan, source)
+        plan, from_disk = _from_disk_plan(plan, source, launch if distributed else None)
     from ..train import rundir
 
     resume = Path(args.resume) if args.resume else None

@@ -682,7 +682,7 @@ class CacheSource:
         memory], analysis/from_disk.py)."""
         from ..analysis.from_disk import LoaderMemory
 
-        return LoaderMemory(max(int(e["bytes"]) for e in self.entries), self.workers,
+        return LoaderMemory(max((int(e["bytes"]) for e in self.entries), default=0), self.workers,
                             self.prefetch if self.workers > 0 else 0)
 
     def _loader(self):
