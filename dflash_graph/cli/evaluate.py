@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import GraphError, Location, Problem
 from ..rewrite.pipeline import compile_graph
+from ..train.heldout import eval_need, free_bytes
 
 
 def run_record(d: Path) -> dict:
@@ -119,48 +120,20 @@ def graph_differences(rec: dict, spec, drafter: str, target: str, ckpt: Path) ->
     return out
 
 
-# -- memory before loading -------------------------------------------------------------------------------------
-def eval_need(plan, drafter: str, target: str, tokens: int) -> dict[str, int]:
-    """Bytes eval holds on its device, by part, before any model is built: the target's weights (every component:
-    the decoder runs its whole causal LM), the drafter's own weights (not those it shares with the target), and
-    one forward's logits over the longest sequence (`tokens` positions x vocab, in the target's dtype; the
-    decoders compute the logits of every position). Parameter counts are each arch's `component_params`
-    (models/<arch>.py, the same counts check's memory model uses); tests/test_eval_bench.py compares them with
-    the parameters of the modules eval builds for tiny. A lower bound: temporaries inside a forward come on top."""
-    from ..models.registry import ARCHS
-    from ..units import DTYPE_BYTES
-
-    models = plan.typed.ctx.models
-    t, d = models[target], models[drafter]
-    tb = DTYPE_BYTES[t.spec.dtype]
-    target_w = sum(ARCHS[t.spec.arch].component_params(t.dims).values()) * tb
-    own = {c: n for c, n in ARCHS[d.spec.arch].component_params(d.dims).items() if c not in d.spec.shares}
-    vocab = int(getattr(t.dims, "vocab_size", 0) or 0)
-    return {"target weights": target_w, "drafter weights": sum(own.values()) * DTYPE_BYTES[d.spec.dtype],
-            "logits": tokens * vocab * tb}
-
-
+# -- memory before loading (eval_need and free_bytes live in train/heldout.py) ----------------------------------
 def _available(device: str, host_memory: str | None) -> tuple[int | None, str]:
-    """(bytes the eval device has free, where that figure comes from)."""
+    """(bytes the eval device has free, where that figure comes from): --host-memory for a CPU device when given."""
     import torch
 
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev.index or 0)
-        return free, f"free on {device} (torch.cuda.mem_get_info)"
-    if host_memory is not None:
+    if torch.device(device).type != "cuda" and host_memory is not None:
         from ..units import parse_bytes
 
         try:
-            n = parse_bytes(host_memory)
+            return parse_bytes(host_memory), "--host-memory"
         except ValueError as e:
             raise GraphError(Problem(f"--host-memory {e}", Location(flag=f"--host-memory {host_memory}"),
                                      hint="e.g. --host-memory 64GiB")) from None
-        return n, "--host-memory"
-    from ..analysis.memory import host_available_bytes
-
-    n, src = host_available_bytes()
-    return n, f"this host's {src}"
+    return free_bytes(device)
 
 
 def memory_problem(plan, drafter: str, target: str, device: str, tokens: int,

@@ -331,8 +331,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             _, unknown = ap.parse_known_args(command)   # a bad `run` flag: refused once here, not once per rank
             if unknown:
                 return _unknown_flags(ap, command, unknown)
-            code = torchrun.launch(targs)
-            return torchrun.heldout_after(ap.parse_known_args(command)[0], targs) if code == 0 else code
+            return torchrun.launch(targs)
         if args.cmd in ("eval", "export"):
             from . import evaluate
             return evaluate.cmd_eval(args) if args.cmd == "eval" else evaluate.cmd_export(args)

@@ -167,36 +167,3 @@ def launch(args) -> int:
               "machine, --standalone picks a free port", file=sys.stderr)
         return 2
     return 0
-
-
-def heldout_after(run_args, targs) -> int:
-    """After a launch of `run` that finished on one machine: the held-out evaluation the ranks could not run
-    (train/heldout.py), in this process, printed as the `held-out @ step N` line and recorded in metrics.jsonl.
-    A launch over several machines is told how to measure tau instead."""
-    from pathlib import Path
-
-    if getattr(run_args, "cmd", None) != "run" or getattr(run_args, "hidden_states", None):
-        return 0     # a run from the hidden-state cache has no target to evaluate with (its summary says how)
-    nodes = str(getattr(targs, "nnodes", "1") or "1")
-    if nodes.split(":")[-1] != "1":
-        print("note: the held-out evaluation runs in one process, and this launch spans several machines: "
-              "dflash-graph eval GRAPH --checkpoint OUT measures tau from the checkpoint", file=sys.stderr)
-        return 0
-    from ..spec.loader import load_graph
-
-    out = Path(run_args.out) if run_args.out else Path(run_args.resume) if run_args.resume else \
-        Path("runs") / load_graph(run_args.graph, run_args.overrides).name
-    if not (out / "run.json").is_file() or not (out / "metrics.jsonl").is_file():
-        return 0
-    import json
-
-    lines = [ln for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    if not lines or "heldout" in json.loads(lines[-1]):
-        return 0                    # nothing trained, or evaluated already (a finished run left alone)
-    from ..train.heldout import evaluate_run
-    from ..train.summary import RunSummary
-
-    ev = evaluate_run(out)
-    if ev is not None:
-        print(RunSummary.eval_line(ev) + " (after the launch, in one process)", flush=True)
-    return 0

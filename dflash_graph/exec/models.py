@@ -148,7 +148,9 @@ class ModelStore:
             return d.norm if ocomp == "norm" else d     # the drafter's own final norm, where it has one
         raise KeyError(comp)
 
-    def drafter(self, model: str, tdev: str) -> nn.Module:
+    def drafter(self, model: str, tdev: str, published: bool = True) -> nn.Module:
+        """The trainable module, built on first use (from its published `weights` when it declares them;
+        `published=False`: not read, for a module whose weights are loaded next anyway)."""
         if model not in self.drafters:
             from ..models.nn.dflash import DFlashDrafter
 
@@ -159,7 +161,7 @@ class ModelStore:
             # keeps fp32 masters for AdamW when that dtype is not float32.
             d = DFlashDrafter(info.dims, embed, dtype=DTYPES[info.spec.dtype],
                               own_norm=info.component_owner("norm") == f"{model}.norm").to(tdev)
-            if info.spec.weights is not None:
+            if info.spec.weights is not None and published:
                 self._load_published(model, d, tdev)
             d.train()
             self.drafters[model] = d
@@ -255,6 +257,15 @@ class ModelStore:
         for (model, tdev), m in self._full.items():
             if (model, tdev) not in used and getattr(m, "lm_head", None) is not None:
                 m.lm_head = None
+
+    def on_one_device(self, tdev: str) -> ModelStore:
+        """A store that runs every logical device of the graph on the torch device `tdev`, holding the targets this
+        store built there (the same modules, not copies) and no drafter yet: the held-out evaluation under
+        torchrun runs the whole graph beside a target replica with it (train/heldout.py)."""
+        s = ModelStore(self.typed, {d: tdev for d in self.typed.ctx.spec.devices}, self.seed)
+        s.heads_only = self.heads_only
+        s._full = {k: m for k, m in self._full.items() if k[1] == tdev}
+        return s
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for d in self.drafters.values() for p in d.parameters() if p.requires_grad]

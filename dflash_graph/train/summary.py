@@ -20,13 +20,27 @@ class RunSummary:
     def __init__(self, trainer, stats: RunStats, eval_every: int, eval_batches: int, seed: int):
         self.t, self.stats, self.eval_every, self.eval_batches, self.seed = trainer, stats, eval_every, eval_batches, seed
         self.tps: list[tuple[int, float]] = []       # (step, tokens/s) of the steps this invocation ran
+        self.skipped: str | None = None              # why the last evaluation under torchrun did not run
 
     def update(self, rec: dict[str, Any]) -> None:
         self.tps.append((rec["step"], rec["tokens_per_s"]))
 
     def maybe_eval(self, step: int, total: int) -> dict[str, Any] | None:
+        """The held-out evaluation of `step` when it is due: {"step", loss, tau, ...}, or {"step", "skipped": why}
+        when it did not fit beside the target under torchrun. Under torchrun every rank calls this, and one of
+        them evaluates (train/heldout.py)."""
         t = self.t
-        if t.held is None or not self.eval_every or not (step % self.eval_every == 0 or step == total):
+        if not self.eval_every or not (step % self.eval_every == 0 or step == total):
+            return None
+        if t.comm is not None:
+            if t.eval_rank is None:
+                return None
+            from .heldout import evaluate_under_torchrun
+
+            ev = evaluate_under_torchrun(t, step)
+            self.skipped = ev.get("skipped")
+            return ev
+        if t.held is None:
             return None
         return {"step": step, **evaluate(t.interp, t.loss_node, t.held, self.eval_batches, self.seed)}
 
@@ -49,10 +63,8 @@ class RunSummary:
             return "set [data] holdout: the held-out split is empty"
         if not self.eval_every:
             return "set [train] eval_every"
-        if t.comm is not None:
-            return ("under torchrun it runs once the ranks have exited: `dflash-graph launch` evaluates the "
-                    "checkpoint in one process and prints its held-out line next; after a plain torchrun, "
-                    f"dflash-graph eval GRAPH --checkpoint {t.opts.out} measures tau from the checkpoint")
+        if self.skipped:
+            return self.skipped
         return "no evaluation ran"
 
     def render(self, step: int, out: Path, memory: dict[str, tuple[int, int | None]]) -> str:

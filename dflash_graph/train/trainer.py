@@ -296,23 +296,30 @@ class Trainer:
             self.dp_group = replica_group(self.dp_ranks, self.launch.backend)
             self.fsdp = parallel_model(typed)[1] == "fsdp"
         self.seed = int(self.cfg["seed"])
+        # under torchrun one rank, beside a target replica, runs the held-out evaluation (NOTE [Held-out
+        # evaluation under torchrun], train/heldout.py)
+        self.eval_rank, self.eval_device = None, None
+        if self.comm is not None and int(spec.data.get("holdout") or 0) and int(self.cfg.get("eval_every") or 0):
+            from .heldout import evaluator
+
+            self.eval_rank, self.eval_device = evaluator(typed, self.writer) or (None, None)
         # data first, so a bad record is reported before any model is built: one shard per replica whose
-        # token_input runs in this process; the held-out split where the whole graph runs in this process
-        # (held-out evaluation is single-process for now)
+        # token_input runs in this process; the held-out split where the held-out evaluation runs (the one
+        # process, or the evaluator's rank)
         base = Path(spec.data.get("_base", "."))
         token_nodes = _data_sources(typed)
         self.shards: dict[int, PackedData] = {}
         self.held = None
         here = set(local) if local is not None else set(spec.devices)
         mine = [r for r in range(R) if any(device_for(typed, n.device, r) in here for n in token_nodes)]
-        if mine:
+        if mine or self.rank == self.eval_rank:
             if "corpus" not in spec.data:
                 raise GraphError(Problem("the graph has no [data] section", spec.loc(),
                                          hint='[data]\ncorpus = "tiny/corpus.jsonl"\ntokenizer = "tiny/tokenizer.json"'))
             vocab = next((int(m.dims.vocab_size) for m in typed.ctx.models.values() if m.spec.arch == "dflash"), None)
             train, held = load_data(spec.data, base, self._seq_len(), self.seed, vocab, spec.loc)
             self.shards = {r: train.shard(r, R) for r in mine}
-            self.held = held if self.comm is None else None
+            self.held = held if self.comm is None or self.rank == self.eval_rank else None
         torch.manual_seed(self.seed)
         self.store = ModelStore(typed, self.tdev, self.seed)
         self.store.heads_only = opts.source is not None    # no target body runs here (NOTE [Heads only])
@@ -441,11 +448,14 @@ class Trainer:
     def _gather_whole(self) -> None:
         """Every drafter rank of a sharded drafter: the drafter's whole weights, all-gathered (collective), for the
         writer's safetensors and export."""
+        self.whole_weights = {name: self._whole_state(m) for name, m in self.store.drafters.items()}
+
+    def _whole_state(self, m=None) -> dict[str, torch.Tensor]:
+        """A sharded drafter's (the only one by default) whole state dict, all-gathered: every drafter rank calls it."""
         from torch.distributed.tensor import DTensor
 
-        self.whole_weights = {name: {k: v.full_tensor() if isinstance(v, DTensor) else v
-                                     for k, v in m.state_dict().items()}
-                              for name, m in self.store.drafters.items()}
+        m = next(iter(self.store.drafters.values())) if m is None else m
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in m.state_dict().items()}
 
     def _take_allowed_changes(self) -> None:
         """After a checkpoint is restored: the graph's train.lr and train.weight_decay, which the optimizer's and
@@ -693,10 +703,13 @@ class Trainer:
                 m = self.step(step)
                 dt = time.perf_counter() - t0
                 step += 1
+                rec = self._record(step, m, dt) if self.is_writer else None
+                ev = self.summary.maybe_eval(step, self.steps)     # under torchrun every rank takes part
                 if self.is_writer:
-                    rec = self._record(step, m, dt)
                     self.summary.update(rec)
-                    ev = self.summary.maybe_eval(step, self.steps)
+                    if ev is not None and "skipped" in ev:
+                        self._note(f"note: held-out @ step {step}: {ev['skipped']}")
+                        ev = None
                     if ev is not None:
                         rec["heldout"] = {k: v for k, v in ev.items() if k != "step"}
                     self.stats.update(rec)
