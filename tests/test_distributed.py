@@ -106,6 +106,74 @@ def test_three_ranks_give_the_losses_of_one_process_and_resume_exactly(in_repo, 
         assert 0.9 <= d["measured_peak_bytes"] / d["predicted_peak_bytes"] <= 1.1, (name, d)
     assert {p.name for p in (dist_ / "ranks").iterdir()} == {"rank0.json", "rank1.json", "rank2.json"}
     assert json.loads((dist_ / "ranks" / "rank2.json").read_text())["writer"] is True
+    # the held-out evaluation ran inside the job at each invocation's last step, as in one process at step 4
+    assert [r["step"] for r in b if "heldout" in r] == [2, 4]
+    ha, hb = a[3]["heldout"], b[3]["heldout"]
+    assert abs(ha["loss"] - hb["loss"]) <= 1e-4 * ha["loss"] and abs(ha["tau"] - hb["tau"]) <= 0.01, (ha, hb)
+
+
+EVAL_EVERY_STEP = sets(["train.eval_every=1", "train.eval_batches=2"])
+
+
+@pytest.mark.slow     # about 45 s (tiny) and 55 s (tiny_dp) on the shared 2-core machine
+@pytest.mark.parametrize("graph, nproc, extra", [
+    # the drafter on another torch device than the targets: the evaluator's replica dropped its lm_head, which the
+    # writer sends with the drafter's weights
+    ("graphs/tiny.toml", 3, ["devices.draft.torch=cpu:0"]),
+    # a drafter sharded over two ranks: all-gathered before it is sent
+    ("graphs/tiny_dp.toml", 4, ["models.drafter.parallel=fsdp"]),
+], ids=["tiny-lm-head-dropped", "tiny_dp-fsdp"])
+def test_a_plain_torchrun_run_evaluates_the_held_out_split_at_each_eval_step(in_repo, tmp_path, graph, nproc, extra):
+    """`torchrun ... -m dflash_graph run` (not launch) runs the held-out evaluation inside the job at every
+    eval_every step: printed, recorded in metrics.jsonl and in the summary, equal to the run in one process."""
+    one, out = tmp_path / "one", tmp_path / "dist"
+    assert main(["run", "graphs/tiny.toml", "--steps", "2", *EVAL_EVERY_STEP, "--out", str(one), "--no-progress"]) == 0
+    code, text = torchrun(nproc, [graph, "--steps", "2", *EVAL_EVERY_STEP, *sets(extra), "--out", str(out)], 600)
+    assert code == 0, text
+    a, b = read_metrics(one), read_metrics(out)
+    assert [r["step"] for r in b if "heldout" in r] == [1, 2]
+    for ra, rb in zip(a, b):
+        ha, hb = ra["heldout"], rb["heldout"]
+        assert ha["anchors"] == hb["anchors"] and ha["sequences"] == hb["sequences"], (ha, hb)
+        assert abs(ha["loss"] - hb["loss"]) <= 1e-4 * ha["loss"] and abs(ha["tau"] - hb["tau"]) <= 0.01, (ha, hb)
+        assert f"held-out @ step {rb['step']}: loss {hb['loss']:.4f} | tau {hb['tau']}" in text, text
+    assert f"held-out tau: {b[-1]['heldout']['tau']} (step 2, " in text and "not measured" not in text, text
+
+
+@pytest.mark.slow     # about 60 s on the shared 2-core machine
+def test_a_rank_killed_during_the_held_out_evaluation_stops_every_rank_named(in_repo, tmp_path):
+    """SIGKILL of rank 1 (t1) while rank 0 (t0) evaluates the held-out split of step 2 (a long evaluation, 400
+    sequences per replica) and the writer waits for it: both name it and exit, the writer saves step 2, no process
+    is left. The evaluator's line says it was evaluating, so the kill did land inside the evaluation."""
+    out = tmp_path / "run"
+    with launched(["--standalone", "--nproc-per-node", "3"],
+                  ["graphs/tiny.toml", "--steps", "4", "--out", str(out),
+                   *sets(["train.eval_every=2", "train.eval_batches=400"])]) as p:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 1):
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() < deadline, "the run never reached step 1"
+            time.sleep(0.2)
+        time.sleep(8)       # step 2 trains (well under a second here), then the evaluation runs for minutes
+        pids = [json.loads((out / "ranks" / f"rank{k}.json").read_text())["pid"] for k in range(3)]
+        assert p.poll() is None and len(read_metrics(out)) == 1, "the evaluation of step 2 ended before the kill"
+        os.kill(pids[1], signal.SIGKILL)
+        text, _ = p.communicate(timeout=120)
+        gone = session_gone(p.pid)
+    assert p.returncode != 0 and gone, text
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    reports = [ln for ln in text.splitlines() if ln.startswith("dflash-graph: rank")]
+    print("\n" + "\n".join(reports))
+    assert {ln.split()[2] for ln in reports} == {"0", "2"}, text
+    for ln in reports:
+        assert "lost rank 1 (t1; pid" in ln and "killed (SIGKILL" in ln, ln
+    evaluator = next(ln for ln in reports if ln.startswith("dflash-graph: rank 0 (t0)"))
+    assert "at step 2" in evaluator or "stops at step 2" in evaluator, evaluator
+    assert "node 'held-out evaluation: " in evaluator, evaluator
+    writer = next(ln for ln in reports if ln.startswith("dflash-graph: rank 2 (draft)"))
+    assert "checkpoint of step 2 saved" in writer and "--resume" in writer, writer
 
 
 def _kill_one_rank(tmp_path, sig, extra=()):

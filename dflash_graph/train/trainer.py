@@ -708,7 +708,7 @@ class Trainer:
                 if self.is_writer:
                     self.summary.update(rec)
                     if ev is not None and "skipped" in ev:
-                        self._note(f"note: held-out @ step {step}: {ev['skipped']}")
+                        self._note(f"note: {ev['skipped']}")
                         ev = None
                     if ev is not None:
                         rec["heldout"] = {k: v for k, v in ev.items() if k != "step"}
