@@ -223,15 +223,19 @@ def test_held_out_tau_says_why_it_was_not_measured():
 
     from dflash_graph.train.summary import RunSummary
 
-    def summary(holdout, eval_every, comm=None):
+    def summary(holdout, eval_every, comm=None, skipped=None):
         spec = NS(data={"holdout": holdout})
         t = NS(plan=NS(typed=NS(ctx=NS(spec=spec))), comm=comm, opts=NS(out=Path("runs/t"), source=None), start_step=0)
-        return RunSummary(t, RunStats(), eval_every, 4, 0).render(5, Path("runs/t"), {})
+        s = RunSummary(t, RunStats(), eval_every, 4, 0)
+        s.skipped = skipped
+        return s.render(5, Path("runs/t"), {})
 
     assert "not measured (set [data] holdout and [train] eval_every)" in summary(0, 0)
     assert "not measured (set [train] eval_every)" in summary(50, 0)
     assert "not measured (set [data] holdout: the held-out split is empty)" in summary(0, 10)
-    assert "under torchrun it runs once the ranks have exited" in summary(50, 10, comm=object())
+    # under torchrun: the evaluator's reason when the evaluation did not fit beside its target (train/heldout.py)
+    why = "the held-out evaluation of step 5 would need at least 9.00 GiB on rank 0 (t0, cuda:0) beside its target"
+    assert f"not measured ({why})" in summary(50, 10, comm=object(), skipped=why)
 
 
 def test_non_finite_steps_in_a_row_are_counted_across_a_resume(tmp_path):
