@@ -233,8 +233,8 @@ def evaluate_under_torchrun(t, step: int) -> dict[str, Any]:
     {"step", loss, tau, ...}, or {"step", "skipped": why}."""
     comm = t.comm
     drafter, target = drafter_names(t.plan)
-    if t.rank != t.eval_rank:
-        comm.set_where(step, f"(waiting for the held-out evaluation on rank {t.eval_rank})", None)
+    comm.set_where(step, f"(waiting for the held-out evaluation on rank {t.eval_rank})" if t.rank != t.eval_rank
+                   else "(the held-out evaluation)", None)
     with _untracked(t):
         verdict = _verdict(t, step) if t.rank == t.eval_rank else None
         verdict = comm.broadcast(verdict, src=t.eval_rank, what=f"the held-out evaluation on rank {t.eval_rank}")

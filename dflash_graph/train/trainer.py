@@ -299,7 +299,8 @@ class Trainer:
         # under torchrun one rank, beside a target replica, runs the held-out evaluation (NOTE [Held-out
         # evaluation under torchrun], train/heldout.py)
         self.eval_rank, self.eval_device = None, None
-        if self.comm is not None and int(spec.data.get("holdout") or 0) and int(self.cfg.get("eval_every") or 0):
+        if self.comm is not None and opts.source is None and int(spec.data.get("holdout") or 0) and \
+                int(self.cfg.get("eval_every") or 0):
             from .heldout import evaluator
 
             self.eval_rank, self.eval_device = evaluator(typed, self.writer) or (None, None)
@@ -704,7 +705,14 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 step += 1
                 rec = self._record(step, m, dt) if self.is_writer else None
-                ev = self.summary.maybe_eval(step, self.steps)     # under torchrun every rank takes part
+                try:
+                    ev = self.summary.maybe_eval(step, self.steps)     # under torchrun every rank takes part
+                except Exception:
+                    if self.is_writer:      # stopped during the evaluation: the step trained and is checkpointed
+                        self.stats.update(rec)
+                        with contextlib.suppress(WriteFailed):
+                            self._write_metrics(fd, rec, metrics_path)
+                    raise
                 if self.is_writer:
                     self.summary.update(rec)
                     if ev is not None and "skipped" in ev:
