@@ -115,7 +115,7 @@ def test_three_ranks_give_the_losses_of_one_process_and_resume_exactly(in_repo, 
 EVAL_EVERY_STEP = sets(["train.eval_every=1", "train.eval_batches=2"])
 
 
-@pytest.mark.slow     # about 65 s (tiny) and 60 s (tiny_dp) on the shared 2-core machine
+@pytest.mark.slow     # 19-67 s (tiny) and 60 s (tiny_dp) on the shared 2-core machine, with its load
 @pytest.mark.parametrize("graph, nproc, extra", [
     # the drafter on another torch device than the targets: the evaluator's replica dropped its lm_head, which the
     # writer sends with the drafter's weights

@@ -269,7 +269,7 @@ def test_the_evaluator_under_torchrun_skips_what_does_not_fit_beside_its_target(
     assert _evaluator(plan, kept, total - head, monkeypatch) == {"wants_head": False, "skip": None}
 
 
-@pytest.mark.slow     # about 45 s on the shared 2-core machine
+@pytest.mark.slow     # 22-63 s on the shared 2-core machine, with its load
 def test_a_run_launched_under_torchrun_gets_its_held_out_evaluation(in_repo, tmp_path):
     """`dflash-graph launch` runs the held-out evaluation inside the job (train/heldout.py), on the target rank of
     replica 0: the same figures as the run in one process reports at its last step (the drafters agree to float

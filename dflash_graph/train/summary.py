@@ -1,6 +1,7 @@
 """What a run tells its user as it goes and at the end: the held-out evaluation every `train.eval_every` steps
-(into the step's metrics.jsonl record and onto the console), and the closing summary (smoothed loss, held-out
-tau, tokens/s, predicted and measured memory, where the checkpoint is; cli/run.py adds the export).
+(into the step's metrics.jsonl record and onto the console; under torchrun run by one rank, train/heldout.py),
+and the closing summary (smoothed loss, held-out tau, tokens/s, predicted and measured memory, where the
+checkpoint is; cli/run.py adds the export).
 
 The smoothed loss, the skipped steps and the last evaluation are the run's (train/metrics.py, RunStats, kept in
 each checkpoint), so the summary of a resumed run says what the uninterrupted run's would; tokens/s is this
