@@ -467,7 +467,11 @@ def _forward_node(seq, typed: Typed, n: Node, here: bool, cost: NodeCost, left: 
     if here:
         outs = typed.outputs_of(n.id)
         if cost.saved_bytes:
-            seq.alloc(("saved", n.id), cost.saved_bytes, f"{n.id}/saved for backward")
+            # a layered backward frees each unit's share (ops/costs.py NOTE [Layered backward]): one block each
+            rest = cost.saved_bytes - sum(u.saved_bytes for u in cost.backward)
+            seq.alloc(("saved", n.id), rest, f"{n.id}/saved for backward")
+            for k, u in enumerate(cost.backward):
+                seq.alloc(("saved", n.id, k), u.saved_bytes, f"{n.id}/saved for backward")
         acts = None if actions is None else actions.get(n.id)
         if acts is None:    # the same for every step and iteration
             acts = _node_actions(typed, n, cost, outs, compress, desc)
@@ -529,10 +533,12 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
     dp = dp if dp is not None and device in dp.devices else None
     units: list[int] = []        # FSDP2: the parameter bytes of each layer's fully_shard unit, unsharded
     root_bytes = 0               # and of the root unit: what no layer holds
+    whole: dict[str, int] = {}   # a trainable owner's parameters, unsharded
     for owner, params in sorted(component_bytes(typed).get(device, {}).items()):
         mname, comp = owner.split(".")
         m = ctx.models[mname]
         width = DTYPE_BYTES[m.spec.dtype]
+        whole[owner] = params
         if dp is not None and dp.engine == "fsdp" and mname == dp.model:
             # NOTE [Data-parallel memory]: each replica holds 1/M of the parameters (and so of their gradients,
             # masters and AdamW state)
@@ -573,6 +579,17 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
         fsdp_root = root_bytes
         fsdp_unit = max(units + [root_bytes])
     first_grad = next((n.id for n in on if n.id in grads), None)
+    # owners whose weight gradients a layered backward makes (ops/costs.py NOTE [Layered backward])
+    layered: dict[str, str] = {}     # owner -> the node whose backward units make its gradients
+    for n in on:
+        if n.id in grads and n.model:
+            for u in costs[n.id].backward:
+                for comp in u.components:
+                    owner = ctx.models[n.model].component_owner(comp)
+                    if owner in trainable_params:
+                        layered[owner] = n.id
+    fsdp_layered = bool(fsdp_unit) and any(o.startswith(dp.model + ".") for o in layered)
+    grad_keys: dict[str, list] = {o: [] for o in trainable_params}
     for n in on:
         op = registry.get(n.op)
         if op.traits.movement and n.device == device or (op.traits.movement and device in ctx.devices_of(n.device)):
@@ -597,19 +614,27 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                 seq.start(it)
             for n in g.nodes:
                 seq.at = n.id if step == 0 else None   # where the replay is (NOTE [Rejection certificates])
-                if fsdp_unit and n.id == first_grad:   # NOTE [Data-parallel memory]: the root's parameters, a
-                    # unit's unsharded parameters and an all-gather output (the next unit's, or the previous one's)
-                    seq.alloc(("fsdp_all_gather",), fsdp_root + 2 * fsdp_unit,
-                              f"{n.id}/FSDP all-gather: the root's parameters, a unit's and an all-gather output")
                 here = n.id in on_ids
                 cost = costs.get(n.id, NodeCost())
+                fsdp_fwd = fsdp_layered and here and n.model == dp.model and n.id in grads and bool(cost.backward)
+                if fsdp_fwd:        # NOTE [Data-parallel memory]: the root's parameters, kept to its
+                    # post-backward; through the forward a unit's unsharded parameters and its all-gather output
+                    seq.alloc(("fsdp_root",), fsdp_root, f"{n.id}/FSDP root's unsharded parameters")
+                    seq.alloc(("fsdp_forward",), 2 * fsdp_unit,
+                              f"{n.id}/FSDP forward: a unit's unsharded parameters and its all-gather output")
+                elif fsdp_unit and not fsdp_layered and n.id == first_grad:   # a model without a layered
+                    # backward: the root's parameters, a unit's and an all-gather output, as a bound
+                    seq.alloc(("fsdp_all_gather",), fsdp_root + 2 * fsdp_unit,
+                              f"{n.id}/FSDP all-gather: the root's parameters, a unit's and an all-gather output")
                 _forward_node(seq, typed, n, here, cost, left, saved_refs, grads, compress, desc, actions)
+                if fsdp_fwd:
+                    seq.free(("fsdp_forward",), f"{n.id}/FSDP forward done")
             # backward
             seq.at = None
             bwd = [n for n in reversed(g.nodes) if n.id in grads and n.id in on_ids]
             grad_of: set[Ref] = set()
-            if fsdp_unit:   # a unit's unsharded gradients, a reduce-scatter input (this unit's or the previous
-                # one's, held until the next post-backward) and its 1/M shard out
+            if fsdp_unit and not fsdp_layered:   # a unit's unsharded gradients, a reduce-scatter input (this
+                # unit's or the previous one's, held until the next post-backward) and its 1/M shard out
                 seq.alloc(("fsdp_reduce_scatter",), 2 * fsdp_unit + -(-fsdp_unit // len(dp.devices)),
                           "FSDP reduce-scatter: a unit's unsharded gradients, a reduce-scatter input and its shard")
             for n in bwd:
@@ -617,18 +642,25 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                 label = f"{n.id}/backward"
                 if n.model:
                     for owner in trainable_params:
-                        if owner.startswith(n.model + ".") and not seq.live_(("grad", owner)):
+                        if owner.startswith(n.model + ".") and owner not in layered and \
+                                not seq.live_(("grad", owner)):
                             seq.alloc(("grad", owner), trainable_params[owner] * trainable_width[owner],
-                                  f"{label} weight grad {owner}")
-                if cost.workspace_bytes:
+                                      f"{label} weight grad {owner}")
+                            grad_keys[owner].append(("grad", owner))
+                if cost.workspace_bytes and not cost.backward:
                     seq.alloc((n.id, "bwd_ws"), cost.workspace_bytes, f"{label} workspace")
                 for port, r in n.inputs:
                     if r.node in grads and r.node in on_ids and r not in grad_of:
                         t = typed.types[r]
                         seq.alloc(("dgrad", r), t.nbytes, f"{label} grad of {r}")
                         grad_of.add(r)
-                if cost.workspace_bytes:
+                if cost.workspace_bytes and not cost.backward:
                     seq.free((n.id, "bwd_ws"), label)
+                if cost.backward and n.model:
+                    _layered_backward(seq, n, cost, label, ctx.models[n.model], layered, trainable_params,
+                                      trainable_width, whole, grad_keys,
+                                      len(dp.devices) if fsdp_layered and n.model == dp.model else 0,
+                                      it == iters - 1)
                 for k in typed.outputs_of(n.id):
                     seq.free(("dgrad", Ref(n.id, k)), label)
                 seq.free(("saved", n.id), label)
@@ -644,6 +676,8 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
             if fsdp_unit:
                 seq.free(("fsdp_reduce_scatter",), "backward done")
                 seq.free(("fsdp_all_gather",), "backward done")
+                seq.free(("fsdp_rs_input",), "backward done: FSDP's last reduce-scatter input released "
+                                             "(_root_post_backward_final_callback)")
             for r, _ in list(saved_refs.items()):
                 seq.free(r, "backward done")
             # the loss value is kept for logging until the next step
@@ -656,13 +690,90 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
             for owner, params in trainable_params.items():
                 if trainable_width[owner] != 4:   # grads to fp32 for the masters, then the low-precision grads go
                     seq.alloc(("grad32", owner), params * 4, "optimizer/fp32 grads")
-                    seq.free(("grad", owner), "optimizer/grads moved to fp32")
+                    for key in grad_keys[owner]:
+                        seq.free(key, "optimizer/grads moved to fp32")
             seq.alloc(("optim", step), total, "optimizer/foreach temporaries")
             seq.free(("optim", step), "optimizer/step")
             for owner in trainable_params:
-                seq.free(("grad", owner), "zero_grad(set_to_none=True)")
+                for key in grad_keys[owner]:
+                    seq.free(key, "zero_grad(set_to_none=True)")
+                grad_keys[owner] = []
                 seq.free(("grad32", owner), "zero_grad(set_to_none=True)")
     return getattr(seq, "events", []), {"weights": weight_bytes, "optimizer": opt_bytes}
+
+
+def _layered_backward(seq, n: Node, cost: NodeCost, label: str, m, layered: dict, trainable_params: dict,
+                      trainable_width: dict, whole: dict, grad_keys: dict, fsdp_ranks: int, last_iter: bool) -> None:
+    """A node's backward unit by unit (ops/costs.py NOTE [Layered backward]): each unit's weight gradients and
+    activation gradients on top of the live set, then its share of the saved bytes freed. `fsdp_ranks` M > 0: the
+    units are FSDP2's fully_shard units, with the all-gathers and reduce-scatters torch 2.13 makes around each
+    (NOTE [Data-parallel memory]); on a step's last micro-batch (`last_iter`) the gradients are reduce-scattered,
+    before it they stay unsharded and accumulate."""
+    n_layers = getattr(m.dims, "num_hidden_layers", 1)
+
+    def parts(u):
+        """(owner, key suffix, unsharded bytes, this rank's gradient bytes) of each component the unit makes."""
+        out = []
+        for comp in u.components:
+            owner = m.component_owner(comp)
+            if layered.get(owner) != n.id:
+                continue
+            w = trainable_width[owner]
+            div = n_layers if u.layer is not None else 1
+            out.append((owner, u.layer, whole[owner] * w // div, trainable_params[owner] * w // div))
+        return out
+
+    def padded(b: int) -> int:     # FSDP2's flat all-gather / reduce-scatter buffer: M chunks of one shard
+        return fsdp_ranks * -(-b // fsdp_ranks)
+
+    units = [(k, u, parts(u)) for k, u in enumerate(cost.backward)]
+    for j, (k, u, ps) in enumerate(units):
+        ulabel = f"{label} " + (f"layer {u.layer}" if u.layer is not None else "+".join(u.components))
+        unsharded = sum(p[2] for p in ps)
+        root = u.layer is None
+        if fsdp_ranks and not root:
+            # pre_backward (_fsdp_param_group.py pre_backward): the unit's all-gather output (made by the
+            # previous unit's prefetch, _backward_prefetch, or by the root's for the first layer), copied out into
+            # its unsharded parameters (wait_for_unshard, foreach_all_gather_copy_out), the output freed at once
+            # in backward; then the next layer unit's all-gather prefetched, held until its own wait
+            if not seq.live_(("fsdp_ag", k)):
+                seq.alloc(("fsdp_ag", k), padded(unsharded), f"{ulabel}: FSDP all-gather output")
+            seq.alloc(("fsdp_params", k), unsharded, f"{ulabel}: FSDP unsharded parameters")
+            seq.free(("fsdp_ag", k), f"{ulabel}: FSDP all-gather output freed after its copy-out")
+            nxt = units[j + 1] if j + 1 < len(units) else None
+            if nxt is not None and nxt[1].layer is not None:
+                seq.alloc(("fsdp_ag", nxt[0]), padded(sum(p[2] for p in nxt[2])),
+                          f"{ulabel}: FSDP all-gather output of the next unit (backward prefetch)")
+        for owner, layer, full, mine in ps:
+            if fsdp_ranks:      # autograd's unsharded gradients, accumulated across micro-batches
+                key = ("fsdp_grad", owner, layer)
+                if not seq.live_(key):
+                    seq.alloc(key, full, f"{ulabel} weight grad {owner} (unsharded)")
+            else:
+                key = ("grad", owner, layer)
+                if not seq.live_(key):
+                    seq.alloc(key, mine, f"{ulabel} weight grad {owner}")
+                    grad_keys[owner].append(key)
+        if u.workspace_bytes:
+            seq.alloc((n.id, "bwd_ws", k), u.workspace_bytes, f"{ulabel} backward workspace")
+            seq.free((n.id, "bwd_ws", k), f"{ulabel} backward workspace")
+        seq.free(("saved", n.id, k), f"{ulabel} releases its saved tensors")
+        if fsdp_ranks:
+            # post_backward (_fsdp_param_group.py post_backward): reshard (the unit's unsharded parameters freed;
+            # the root's too: it was kept from the forward), the previous unit's reduce-scatter input released
+            # (reduce_scatter_max_input_buffers = 1), a reduce-scatter input made and the unsharded gradients
+            # copied in and dropped, and the 1/M output, which becomes the sharded gradient
+            # (_fsdp_collectives.py foreach_reduce); the input is held until the next post_backward or the end
+            seq.free(("fsdp_root",) if root else ("fsdp_params", k), f"{ulabel}: FSDP reshard")
+            if not last_iter:
+                continue
+            seq.free(("fsdp_rs_input",), f"{ulabel}: FSDP previous reduce-scatter input released")
+            seq.alloc(("fsdp_rs_input",), padded(unsharded), f"{ulabel}: FSDP reduce-scatter input")
+            for owner, layer, full, mine in ps:
+                seq.free(("fsdp_grad", owner, layer), f"{ulabel}: unsharded gradients copied into the reduce-scatter")
+                key = ("grad", owner, layer)
+                seq.alloc(key, mine, f"{ulabel} weight grad {owner} (1/{fsdp_ranks} shard)")
+                grad_keys[owner].append(key)
 
 
 # --plot and --memory-snapshot draw every allocation event of a device, each written out (a Folded replay's

@@ -39,7 +39,10 @@ __all__ = [
     "forward_flops",
     "forward_program",
     "forward_saved_bytes",
+    "forward_saved_parts",
     "forward_workspace_bytes",
+    "layer_backward_workspace_bytes",
+    "context_backward_workspace_bytes",
 ]
 
 
@@ -373,6 +376,14 @@ def _check_mem_args(d: DFlashDims, ctx_tokens: int, anchors: int, dtype_bytes: i
 
 def _saved_closed_form(d: DFlashDims, t: int, a: int, b: int, attention: str) -> int:
     """Bytes autograd saves in one drafter forward, as a sum of named tensors."""
+    shared, layers = _saved_parts(d, t, a, b, attention)
+    return shared + sum(layers)
+
+
+def _saved_parts(d: DFlashDims, t: int, a: int, b: int, attention: str) -> tuple[int, tuple[int, ...]]:
+    """What one drafter forward saves for backward, split the way its backward frees it: (the context stream's,
+    RoPE's and the mask's, which the backward holds to its end; each layer's own, which autograd frees during
+    that layer's backward)."""
     B = d.block_size
     q = a * B
     k = t + q
@@ -417,8 +428,36 @@ def _saved_closed_form(d: DFlashDims, t: int, a: int, b: int, attention: str) ->
         )
     # layer 0's input is the frozen embedding output: its input_layernorm
     # saves only the normalised x (no grad flows into the embedding)
-    first_layer_discount = _F32 * q * h + _F32 * q if L else 0
-    return total + L * per_layer - first_layer_discount
+    first_layer_discount = _F32 * q * h + _F32 * q
+    return total, tuple(per_layer - (first_layer_discount if i == 0 else 0) for i in range(L))
+
+
+def layer_backward_workspace_bytes(d: DFlashDims, ctx_tokens: int, anchors: int, dtype_bytes: int) -> int:
+    """The activation gradients a draft layer's backward holds at once besides its weight gradients, as a bound:
+    at the attention's backward, the gradient of its output [Q, nh*hd] and SDPA's gradients of q [Q, nh*hd] and
+    of k and v [K, nkv*hd] (torch's CPU flash-attention backward returns them GQA-sized), and the gradient of the
+    normed context [T, H], which autograd accumulates over every layer's k and v projections. The memory model
+    puts the layer's weight gradients and this block on top of the layer's saved tensors before it frees them
+    (autograd frees each op's saved tensors as the op's backward ends, during the layer): an upper bound of the
+    layer's backward (ops/costs.py NOTE [Layered backward]; tests/test_dp.py measures it)."""
+    t, q = _check_sizes(ctx_tokens, anchors, d)
+    k = t + q
+    qd, kvd = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    return dtype_bytes * (2 * q * qd + 2 * k * kvd + t * d.hidden_size)
+
+
+def context_backward_workspace_bytes(d: DFlashDims, ctx_tokens: int, dtype_bytes: int) -> int:
+    """The context stream's backward (fc, hidden_norm) besides its weight gradients: the gradient of the normed
+    context and of fc's output, [T, H] each."""
+    return 2 * dtype_bytes * ctx_tokens * d.hidden_size
+
+
+def forward_saved_parts(
+    d: DFlashDims, ctx_tokens: int, anchors: int, dtype_bytes: int, *, attention: str = "fused"
+) -> tuple[int, tuple[int, ...]]:
+    """forward_saved_bytes split as the backward frees it: (what the backward keeps to its end, each layer's)."""
+    t, _ = _check_mem_args(d, ctx_tokens, anchors, dtype_bytes, attention)
+    return _saved_parts(d, t, anchors, dtype_bytes, attention)
 
 
 class _Tape:

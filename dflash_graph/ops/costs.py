@@ -28,6 +28,31 @@ class NodeCost:
     # ("alloc", key, bytes) / ("free", key, 0); key "out:<port>" allocates that output. None: workspace, then
     # outputs, then the workspace is freed.
     program: tuple[tuple[str, str, int], ...] | None = None
+    # A trainable model's backward in the order autograd runs it, one step per part of the model (NOTE [Layered
+    # backward]); () : the node's weight gradients are made whole at its backward, its saved bytes freed after.
+    backward: tuple["BackwardUnit", ...] = ()
+
+
+@attrs.frozen
+class BackwardUnit:
+    """One part of a node's backward (NOTE [Layered backward]): the weight gradients of `components` (of its
+    layer `layer` when not None: the component's parameters split evenly over the model's layers) are made, with
+    `workspace_bytes` of activation gradients on top, then `saved_bytes` of what the forward saved are freed.
+    Under FSDP2 it is one fully_shard unit's backward (analysis/memory.py NOTE [Data-parallel memory])."""
+    components: tuple[str, ...]
+    layer: int | None
+    saved_bytes: int
+    workspace_bytes: int
+
+
+# NOTE [Layered backward]: autograd runs a model's backward op by op, its last layer first: a layer's weight
+# gradients appear as its ops' backwards run, and each op's saved tensors are freed when its backward ends. A
+# node whose cost lists `backward` units is replayed that way (analysis/memory.py): per unit, its weight
+# gradients and its workspace are allocated on top of the live set, the workspace is freed, then the unit's
+# share of the saved bytes. Putting a unit's gradients before its frees makes each unit an upper bound of its
+# own backward (autograd frees part of the saved tensors before the last gradient appears). Without units, a
+# model's weight gradients were all allocated at its first backward node: on tiny_dp's drafter 1,313,792 B at
+# once, against the 457,984 B its layer-by-layer backward adds at most (tests/test_dp.py).
 
 
 @attrs.frozen
@@ -404,7 +429,18 @@ def drafter_forward(c: CostContext) -> NodeCost:
     ctx = c.inputs["context"].sizes[0]
     anchors = c.inputs["anchors"].sizes[0]
     d = c.model_dims
+    backward: tuple[BackwardUnit, ...] = ()
+    if c.grad:
+        # NOTE [Layered backward]: the layers in reverse, each freeing its own saved tensors, then the context
+        # stream (fc, hidden_norm); what that saved (the context stream's, RoPE's and the mask's) is freed with the
+        # node's other saved bytes, at its end
+        shared, layers = dflash.forward_saved_parts(d, ctx, anchors, c.dtype_bytes)
+        ws = dflash.layer_backward_workspace_bytes(d, ctx, anchors, c.dtype_bytes)
+        backward = (*(BackwardUnit(("layers",), i, layers[i], ws) for i in reversed(range(d.num_hidden_layers))),
+                    BackwardUnit(("fc", "hidden_norm"), None, 0,
+                                 dflash.context_backward_workspace_bytes(d, ctx, c.dtype_bytes)))
     return NodeCost(
+        backward=backward,
         workspace_bytes=dflash.forward_workspace_bytes(d, ctx, anchors, c.dtype_bytes),
         saved_bytes=dflash.forward_saved_bytes(d, ctx, anchors, c.dtype_bytes) if c.grad else 0,
         flops=dflash.forward_flops(d, ctx, anchors),
