@@ -33,32 +33,34 @@ NOTE [Data-parallel memory]: a model declared `parallel` (analysis/parallel.py) 
 - fsdp: fully_shard (torch/distributed/fsdp/_fully_shard/) per decoder layer and once at the root (train/trainer.py
   _shard_fsdp; the root's own parameters, fc and the norms, counted as one unit R). Each replica holds its shard of every parameter (_fsdp_param.py: dim 0
   chunked into M, padded to M equal chunks), so 1/M of the parameters, their gradients, masters and AdamW state.
-  What FSDP2 (torch 2.13) can hold at once besides, U the largest unit's unsharded bytes, R the root's:
-  - the root's unsharded parameters from its all-gather at the start of the forward to its post-backward: the
-    root is not resharded after forward (_fsdp_state.py _lazy_init, post_forward_mesh_info = None): R;
-  - a layer unit's unsharded parameters (foreach_all_gather_copy_out into each parameter's all_gather_outputs,
-    _fsdp_collectives.py; freed by reshard after its forward and after its backward, _fsdp_param.py
-    free_storage) and one all-gather output (world x the padded shards, all_gather_copy_in; in forward the
-    previous unit's is kept in comm_ctx.all_gather_state until the next unit's wait_for_unshard frees it,
-    _fsdp_param_group.py wait_for_unshard, before that unit's copy-out; in backward the prefetched unit's,
-    _backward_prefetch, until its own wait): 2U. Counted R + 2U from the first trainable node's forward to the
-    end of the backward.
-  - in backward, a unit's unsharded gradients (autograd's), a reduce-scatter input (foreach_reduce; kept in
-    comm_ctx.reduce_scatter_states until the next unit's post_backward pops it before its own reduce, or to
-    the end of the backward: _fsdp_param_group.py post_backward, _fsdp_state.py _root_post_backward_final_callback)
-    and the reduce-scatter output, the unit's 1/M gradient shard: 2U + U/M through the backward.
-  At a unit's backward the live set is at most R, its parameters, the prefetched all-gather output, the previous
-  unit's reduce-scatter input and its own gradients (R + 4U), at its post-backward R, the prefetched output, its
-  gradients, its reduce-scatter input and output (R + 3U + U/M): both within R + 4U + U/M, an upper bound.
-Measured on CPU (the live tracker, tiny_dp on 4 ranks): the DDP buckets and the resident bytes of both engines are
-exact (tests/test_dp.py, default suite); FSDP2's whole peak is 7,162,080 and 7,327,968 B in two runs against
-check's 9,002,660 B (an upper bound, 23-26% above; the tracker follows FSDP2's storage resizes: before it did, it
-counted every unit's freed unsharded parameters and measured 15-20% above check's earlier estimate); DDP's
-whole peak is an upper bound, 6.9% above, because the backward allocates every weight gradient at the first
-backward node, where autograd makes them layer by layer. At the
-forward's peak it is 948 B under (the loss's small temporaries); it counts the drafter's context input, which
-autograd keeps as fc's input (ops/costs.py drafter_forward saved_inputs: 262,144 B on tiny's drafter, in one
-process too; tests/test_run.py).
+  What FSDP2 (torch 2.13, torch/distributed/fsdp/_fully_shard/) holds besides, U a layer unit's unsharded bytes,
+  R the root's, for a model whose node declares a layered backward (ops/costs.py NOTE [Layered backward]; the
+  DFlash drafter), replayed at the times torch holds them (_layered_backward):
+  - forward: R from the root's all-gather to its post-backward (the root is not resharded after forward:
+    _fsdp_state.py _lazy_init sets post_forward_mesh_info = None); through the node's forward a unit's unsharded
+    parameters and its all-gather output, 2U (_fsdp_param_group.py wait_for_unshard keeps the output in
+    comm_ctx.all_gather_state until the next unit's wait; _fsdp_state.py _post_forward frees the last one);
+  - backward, per layer unit in reverse: pre_backward's copy-out into its unsharded parameters (U; the all-gather
+    output, made by the previous unit's _backward_prefetch or the root's for the last layer, freed at once in
+    backward, wait_for_unshard) and the next layer's all-gather output prefetched (U, to its own wait); the
+    layer's unsharded gradients and activation gradients (the unit's bound, NOTE [Layered backward]); then
+    post_backward: reshard (its parameters freed), the previous unit's reduce-scatter input released
+    (reduce_scatter_max_input_buffers = 1, _fsdp_param_group.py post_backward), a reduce-scatter input made
+    (U, padded to M chunks) and the unsharded gradients dropped into it, the 1/M output kept as the sharded
+    gradient (_fsdp_collectives.py foreach_reduce); the last input is released at the end
+    (_fsdp_state.py _root_post_backward_final_callback). The root unit the same, its R already unsharded.
+  A model without a layered backward keeps the bound: R + 2U from its first trainable node to the end of the
+  backward, and 2U + U/M through the backward.
+What is exact and what is a bound, measured on CPU (the live tracker): the DDP buckets and the resident bytes of
+both engines are exact (tests/test_dp.py, default suite); the FSDP2 buffers are placed as torch's source places
+them; each layer's backward is an upper bound (NOTE [Layered backward]): on tiny_dp's drafter check's backward
+adds 951,552 B (DDP) and 2,133,760 B (FSDP2, 2 ranks) where the tracker measures 457,984 and 1,640,192 B (one
+process, tests/test_dp.py), the same 493,568 B above on both. tiny_dp on 4 ranks (CPU/gloo): DDP's peak is
+9,658,916 B in check against 9,483,220 B measured (1.9% above; check's peak is the first layer's backward, the
+measured one the loss's forward, where check has 9,482,272 B, 948 B under: the loss's small temporaries); FSDP2's
+is 7,688,228 B against 7,162,080 to 7,423,072 B over three runs and ranks (3.6-7.3% above; before, 9,002,660 B:
+21-26%). check errs above on both. The drafter's context input, which autograd keeps as fc's input, is counted
+(ops/costs.py drafter_forward saved_inputs: 262,144 B on tiny's drafter, in one process too; tests/test_run.py).
 """
 
 from __future__ import annotations
