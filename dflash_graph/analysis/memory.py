@@ -648,7 +648,7 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                                 not seq.live_(("grad", owner)):
                             seq.alloc(("grad", owner), trainable_params[owner] * trainable_width[owner],
                                       f"{label} weight grad {owner}")
-                            grad_keys[owner].append(("grad", owner))
+                            grad_keys[owner].append((("grad", owner), trainable_params[owner] * 4, ()))
                 if cost.workspace_bytes and not cost.backward:
                     seq.alloc((n.id, "bwd_ws"), cost.workspace_bytes, f"{label} workspace")
                 for port, r in n.inputs:
@@ -688,19 +688,28 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                     for k in typed.outputs_of(n.id):
                         seq.free(Ref(n.id, k), f"step {step} done")
         if trainable_params:
-            total = sum(trainable_params.values()) * 4
+            # NOTE [Layered backward]: one request per gradient tensor autograd made (a layered backward's are per
+            # parameter), in the parameters' order (train/trainer.py _optimizer_step: each master's fp32 gradient
+            # made from its low-precision one, which is dropped at once), and AdamW's foreach temporaries one per
+            # master (torch/optim/adam.py _multi_tensor_adam: torch._foreach_sqrt(exp_avg_sqs) returns one tensor
+            # per parameter)
+            temps: list[int] = []
             for owner, params in trainable_params.items():
-                if trainable_width[owner] != 4:   # grads to fp32 for the masters, then the low-precision grads go
-                    seq.alloc(("grad32", owner), params * 4, "optimizer/fp32 grads")
-                    for key in grad_keys[owner]:
+                entries = sorted(grad_keys[owner], key=lambda e: e[2]) or [(("grad", owner), params * 4, ())]
+                for key, b32, _ in entries:
+                    if trainable_width[owner] != 4:   # the grad to fp32 for its master, then the low-precision one goes
+                        seq.alloc(("grad32", key), b32, "optimizer/fp32 grads")
                         seq.free(key, "optimizer/grads moved to fp32")
-            seq.alloc(("optim", step), total, "optimizer/foreach temporaries")
-            seq.free(("optim", step), "optimizer/step")
-            for owner in trainable_params:
-                for key in grad_keys[owner]:
+                    temps.append(b32)
+            for j, b in enumerate(temps):
+                seq.alloc(("optim", step, j), b, "optimizer/foreach temporaries")
+            for j in range(len(temps)):
+                seq.free(("optim", step, j), "optimizer/step")
+            for owner, params in trainable_params.items():
+                for key, _, _ in grad_keys[owner] or [(("grad", owner), 0, ())]:
                     seq.free(key, "zero_grad(set_to_none=True)")
+                    seq.free(("grad32", key), "zero_grad(set_to_none=True)")
                 grad_keys[owner] = []
-                seq.free(("grad32", owner), "zero_grad(set_to_none=True)")
     return getattr(seq, "events", []), {"weights": weight_bytes, "optimizer": opt_bytes}
 
 
@@ -714,16 +723,23 @@ def _layered_backward(seq, n: Node, cost: NodeCost, label: str, m, layered: dict
     n_layers = getattr(m.dims, "num_hidden_layers", 1)
 
     def parts(u):
-        """(owner, key suffix, unsharded bytes, this rank's gradient bytes) of each component the unit makes."""
+        """(owner, parameter index, unsharded bytes) of each gradient tensor the unit makes, in autograd's order
+        (one per parameter, or per component when the unit lists no tensors)."""
         out = []
-        for comp in u.components:
+        div = n_layers if u.layer is not None else 1
+        for i, (comp, elems) in enumerate(u.tensors or tuple((c, None) for c in u.components)):
             owner = m.component_owner(comp)
             if layered.get(owner) != n.id:
                 continue
             w = trainable_width[owner]
-            div = n_layers if u.layer is not None else 1
-            out.append((owner, u.layer, whole[owner] * w // div, trainable_params[owner] * w // div))
+            out.append((owner, i, whole[owner] * w // div if elems is None else elems * w))
         return out
+
+    def shards(u, ps):
+        """FSDP2: (owner, this rank's gradient bytes) of each owner among the unit's tensors: its 1/M share of
+        the unit's reduce-scatter output."""
+        div = n_layers if u.layer is not None else 1
+        return [(o, trainable_params[o] * trainable_width[o] // div) for o in dict.fromkeys(p[0] for p in ps)]
 
     def padded(b: int) -> int:     # FSDP2's flat all-gather / reduce-scatter buffer: M chunks of one shard
         return fsdp_ranks * -(-b // fsdp_ranks)
@@ -746,16 +762,18 @@ def _layered_backward(seq, n: Node, cost: NodeCost, label: str, m, layered: dict
             if nxt is not None and nxt[1].layer is not None:
                 seq.alloc(("fsdp_ag", nxt[0]), padded(sum(p[2] for p in nxt[2])),
                           f"{ulabel}: FSDP all-gather output of the next unit (backward prefetch)")
-        for owner, layer, full, mine in ps:
-            if fsdp_ranks:      # autograd's unsharded gradients, accumulated across micro-batches
-                key = ("fsdp_grad", owner, layer)
+        layer = u.layer
+        for owner, i, full in ps:    # one .grad per parameter (AccumulateGrad), accumulated across micro-batches
+            if fsdp_ranks:      # autograd's unsharded gradients
+                key = ("fsdp_grad", owner, layer, i)
                 if not seq.live_(key):
                     seq.alloc(key, full, f"{ulabel} weight grad {owner} (unsharded)")
             else:
-                key = ("grad", owner, layer)
+                key = ("grad", owner, layer, i)
                 if not seq.live_(key):
-                    seq.alloc(key, mine, f"{ulabel} weight grad {owner}")
-                    grad_keys[owner].append(key)
+                    seq.alloc(key, full, f"{ulabel} weight grad {owner}")
+                    # the optimizer visits the parameters in the module's order: the layers up, each's reversed
+                    grad_keys[owner].append((key, full * 4 // trainable_width[owner], (-1 if layer is None else layer, -i)))
         if u.workspace_bytes:
             seq.alloc((n.id, "bwd_ws", k), u.workspace_bytes, f"{ulabel} backward workspace")
             seq.free((n.id, "bwd_ws", k), f"{ulabel} backward workspace")
@@ -771,11 +789,12 @@ def _layered_backward(seq, n: Node, cost: NodeCost, label: str, m, layered: dict
                 continue
             seq.free(("fsdp_rs_input",), f"{ulabel}: FSDP previous reduce-scatter input released")
             seq.alloc(("fsdp_rs_input",), padded(unsharded), f"{ulabel}: FSDP reduce-scatter input")
-            for owner, layer, full, mine in ps:
-                seq.free(("fsdp_grad", owner, layer), f"{ulabel}: unsharded gradients copied into the reduce-scatter")
+            for owner, i, _ in ps:
+                seq.free(("fsdp_grad", owner, layer, i), f"{ulabel}: unsharded gradients copied into the reduce-scatter")
+            for owner, mine in shards(u, ps):
                 key = ("grad", owner, layer)
                 seq.alloc(key, mine, f"{ulabel} weight grad {owner} (1/{fsdp_ranks} shard)")
-                grad_keys[owner].append(key)
+                grad_keys[owner].append((key, mine * 4 // trainable_width[owner], (-1 if layer is None else layer,)))
 
 
 # --plot and --memory-snapshot draw every allocation event of a device, each written out (a Folded replay's

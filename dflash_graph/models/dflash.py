@@ -40,6 +40,7 @@ __all__ = [
     "forward_program",
     "forward_saved_bytes",
     "forward_saved_parts",
+    "layer_param_tensors",
     "forward_workspace_bytes",
     "layer_backward_workspace_bytes",
     "context_backward_workspace_bytes",
@@ -268,6 +269,22 @@ def layer_params(d: DFlashDims) -> int:
     attn = h * q + 2 * h * kv + q * h + 2 * hd
     mlp = 3 * h * d.intermediate_size
     return attn + mlp + 2 * h
+
+
+def layer_param_tensors(d: DFlashDims) -> tuple[tuple[str, int], ...]:
+    """One draft layer's parameters as autograd sees them, one tensor each (models/nn/dflash.py _DraftLayer), in
+    the order its backward makes their gradients: the MLP's down, up and gate projections, the post-attention
+    norm, o_proj, v_proj, k_norm, k_proj, q_norm, q_proj, the input norm. Autograd's AccumulateGrad
+    (torch/csrc/autograd/functions/accumulate_grad.h accumulateGrad) creates each parameter's .grad, its own
+    tensor and so its own allocator request, when that parameter's gradient is first computed; a parameter used
+    twice (k_proj, v_proj over the context and the block) has its two gradients summed before, one .grad.
+    (name, elements); the elements sum to layer_params(d)."""
+    h, hd, i = d.hidden_size, d.head_dim, d.intermediate_size
+    q = d.num_attention_heads * hd
+    kv = d.num_key_value_heads * hd
+    return (("down_proj", i * h), ("up_proj", h * i), ("gate_proj", h * i), ("post_attention_layernorm", h),
+            ("o_proj", q * h), ("v_proj", h * kv), ("k_norm", hd), ("k_proj", h * kv), ("q_norm", hd),
+            ("q_proj", h * q), ("input_layernorm", h))
 
 
 def component_params(d: DFlashDims) -> dict[str, int]:

@@ -38,11 +38,15 @@ class BackwardUnit:
     """One part of a node's backward (NOTE [Layered backward]): the weight gradients of `components` (of its
     layer `layer` when not None: the component's parameters split evenly over the model's layers) are made, with
     `workspace_bytes` of activation gradients on top, then `saved_bytes` of what the forward saved are freed.
-    Under FSDP2 it is one fully_shard unit's backward (analysis/memory.py NOTE [Data-parallel memory])."""
+    Under FSDP2 it is one fully_shard unit's backward (analysis/memory.py NOTE [Data-parallel memory]).
+    `tensors`: (component, elements) of each parameter whose gradient the unit makes, in the order autograd makes
+    them (one .grad tensor each, one allocator request each: NOTE [Layered backward]); () : one tensor per
+    component."""
     components: tuple[str, ...]
     layer: int | None
     saved_bytes: int
     workspace_bytes: int
+    tensors: tuple[tuple[str, int], ...] = ()
 
 
 # NOTE [Layered backward]: autograd runs a model's backward op by op, its last layer first: a layer's weight
@@ -436,9 +440,12 @@ def drafter_forward(c: CostContext) -> NodeCost:
         # node's other saved bytes, at its end
         shared, layers = dflash.forward_saved_parts(d, ctx, anchors, c.dtype_bytes)
         ws = dflash.layer_backward_workspace_bytes(d, ctx, anchors, c.dtype_bytes)
-        backward = (*(BackwardUnit(("layers",), i, layers[i], ws) for i in reversed(range(d.num_hidden_layers))),
+        per_layer = tuple(("layers", n) for _, n in dflash.layer_param_tensors(d))
+        backward = (*(BackwardUnit(("layers",), i, layers[i], ws, per_layer)
+                      for i in reversed(range(d.num_hidden_layers))),
                     BackwardUnit(("fc", "hidden_norm"), None, 0,
-                                 dflash.context_backward_workspace_bytes(d, ctx, c.dtype_bytes)))
+                                 dflash.context_backward_workspace_bytes(d, ctx, c.dtype_bytes),
+                                 (("hidden_norm", d.hidden_size), ("fc", d.fc_in_features * d.hidden_size))))
     return NodeCost(
         backward=backward,
         workspace_bytes=dflash.forward_workspace_bytes(d, ctx, anchors, c.dtype_bytes),
