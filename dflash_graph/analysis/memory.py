@@ -122,7 +122,7 @@ class DeviceMemory:
     peak_node: str
     reserved_peak_bytes: int
     reserved_peak_node: str
-    node_peaks: Mapping[str, int]   # live bytes at each node's own peak
+    node_peaks: Mapping[str, int]   # live bytes at each node's own peak (its forward; "backward": every backward)
     oom: Oom | None
     # (allocated, reserved) after each event of the replay; a Folded sequence where layers were folded
     timeline: Sequence[tuple[int, int]] = attrs.field(repr=False, eq=False)
@@ -933,6 +933,14 @@ def usable_bytes(typed: Typed, device: str) -> int:
     return max(typed.ctx.spec.devices[device].capacity - outside_bytes(typed, device), 0)
 
 
+def _charged_to(label: str) -> str:
+    """The node an event's bytes count toward in a device's node peaks: its label's node, or "backward" for what a
+    node's backward allocates (its weight and activation gradients, "<node>/backward ..."), as the live tracker
+    charges them (exec/interpreter.py): a node's peak is its forward's, which the tracker measures."""
+    node, _, what = label.partition("/")
+    return "backward" if what.startswith("backward") else node
+
+
 def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> MemoryReport:
     spec = typed.ctx.spec
     if allocator is None:
@@ -972,7 +980,7 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
                     live += (ev.times - 1) * delta
                     for i, e in enumerate(rep):
                         live += e.size
-                        node = e.label.partition("/")[0]
+                        node = _charged_to(e.label)
                         if live > node_peaks.get(node, -1):
                             node_peaks[node] = live
                         if live > peak_live:
@@ -980,7 +988,7 @@ def analyze_memory(typed: Typed, allocator: AllocatorConfig | None = None) -> Me
                 continue
             if ev.op == "alloc":
                 live += ev.size
-                node = ev.label.partition("/")[0]
+                node = _charged_to(ev.label)
                 if live > node_peaks.get(node, -1):
                     node_peaks[node] = live
                 if live > peak_live:

@@ -57,6 +57,21 @@ class BackwardUnit:
 # own backward (autograd frees part of the saved tensors before the last gradient appears). Without units, a
 # model's weight gradients were all allocated at its first backward node: on tiny_dp's drafter 1,313,792 B at
 # once, against the 457,984 B its layer-by-layer backward adds at most (tests/test_dp.py).
+# The granularity is autograd's, for the caching allocator's sake: AccumulateGrad
+# (torch/csrc/autograd/functions/accumulate_grad.h accumulateGrad) makes each parameter's .grad, one tensor and
+# one allocator request, when its gradient is first computed (BackwardUnit.tensors; the trainer then makes one
+# fp32 gradient per master and AdamW's foreach step one temporary per parameter, analysis/memory.py). The
+# allocator (c10/cuda/CUDACachingAllocator.cpp) serves a request from the smallest cached free block at least
+# that large in its pool (get_free_block), splitting it when the rest is over 1 MiB; freed blocks merge only
+# with free neighbours of the same segment (try_merge_blocks); only when no cached block fits does it
+# cudaMalloc a new segment (alloc_block). The layered replay frees each layer's saved tensors as its own block
+# (one segment each when the forward made them: 1.8-2.0 GiB on qwen3_8b's drafter), so a request the size of a
+# whole model's gradients does not fit in any of them where per-parameter requests do. With one block per
+# model (1310fe7) qwen3_8b's gpu1 had two new segments after the backward, the drafter layers' fp32 gradients
+# (3.59 GiB) and AdamW's temporaries (3.91 GiB): 38.10 GiB reserved for 29.79 GiB allocated; with a request per
+# parameter (at most 192 MiB) they reuse the freed saved blocks and reserved is 30.06 GiB (`python -m
+# dflash_graph check graphs/qwen3_8b.toml`; before the layered backward, one saved block of 11.3 GiB freed
+# whole took them: 31.06 / 31.86 GiB).
 
 
 @attrs.frozen
