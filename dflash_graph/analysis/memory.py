@@ -470,10 +470,16 @@ def _forward_node(seq, typed: Typed, n: Node, here: bool, cost: NodeCost, left: 
         outs = typed.outputs_of(n.id)
         if cost.saved_bytes:
             # a layered backward frees each unit's share (ops/costs.py NOTE [Layered backward]): one block each
+            # (tensor by tensor where the cost lists them: each its own request, NOTE [Layered backward])
             rest = cost.saved_bytes - sum(u.saved_bytes for u in cost.backward)
-            seq.alloc(("saved", n.id), rest, f"{n.id}/saved for backward")
+            if cost.saved_tensors and sum(cost.saved_tensors) == rest:
+                for j, b in enumerate(cost.saved_tensors):
+                    seq.alloc(("saved", n.id, "s", j), b, f"{n.id}/saved for backward")
+            else:
+                seq.alloc(("saved", n.id), rest, f"{n.id}/saved for backward")
             for k, u in enumerate(cost.backward):
-                seq.alloc(("saved", n.id, k), u.saved_bytes, f"{n.id}/saved for backward")
+                for j, b in enumerate(_unit_saved(u)):
+                    seq.alloc(("saved", n.id, k, j), b, f"{n.id}/saved for backward")
         acts = None if actions is None else actions.get(n.id)
         if acts is None:    # the same for every step and iteration
             acts = _node_actions(typed, n, cost, outs, compress, desc)
@@ -666,6 +672,8 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                 for k in typed.outputs_of(n.id):
                     seq.free(("dgrad", Ref(n.id, k)), label)
                 seq.free(("saved", n.id), label)
+                for j in range(len(cost.saved_tensors)):
+                    seq.free(("saved", n.id, "s", j), label)
                 for port, r in n.inputs:
                     if port in cost.saved_inputs and r in saved_refs:
                         saved_refs[r] -= 1
@@ -711,6 +719,11 @@ def _device_events(typed: Typed, device: str, steps: int, compress: bool,
                     seq.free(("grad32", key), "zero_grad(set_to_none=True)")
                 grad_keys[owner] = []
     return getattr(seq, "events", []), {"weights": weight_bytes, "optimizer": opt_bytes}
+
+
+def _unit_saved(u) -> tuple[int, ...]:
+    """A backward unit's saved bytes as the forward allocated them: its tensors, or one block."""
+    return u.saved_tensors if u.saved_tensors and sum(u.saved_tensors) == u.saved_bytes else (u.saved_bytes,)
 
 
 def _layered_backward(seq, n: Node, cost: NodeCost, label: str, m, layered: dict, trainable_params: dict,
@@ -777,7 +790,8 @@ def _layered_backward(seq, n: Node, cost: NodeCost, label: str, m, layered: dict
         if u.workspace_bytes:
             seq.alloc((n.id, "bwd_ws", k), u.workspace_bytes, f"{ulabel} backward workspace")
             seq.free((n.id, "bwd_ws", k), f"{ulabel} backward workspace")
-        seq.free(("saved", n.id, k), f"{ulabel} releases its saved tensors")
+        for j in reversed(range(len(_unit_saved(u)))):   # autograd frees them as each op's backward ends
+            seq.free(("saved", n.id, k, j), f"{ulabel} releases its saved tensors")
         if fsdp_ranks:
             # post_backward (_fsdp_param_group.py post_backward): reshard (the unit's unsharded parameters freed;
             # the root's too: it was kept from the forward), the previous unit's reduce-scatter input released

@@ -393,14 +393,15 @@ def _check_mem_args(d: DFlashDims, ctx_tokens: int, anchors: int, dtype_bytes: i
 
 def _saved_closed_form(d: DFlashDims, t: int, a: int, b: int, attention: str) -> int:
     """Bytes autograd saves in one drafter forward, as a sum of named tensors."""
-    shared, layers = _saved_parts(d, t, a, b, attention)
-    return shared + sum(layers)
+    shared, layers = _saved_tensors(d, t, a, b, attention)
+    return sum(shared) + sum(sum(layer) for layer in layers)
 
 
-def _saved_parts(d: DFlashDims, t: int, a: int, b: int, attention: str) -> tuple[int, tuple[int, ...]]:
-    """What one drafter forward saves for backward, split the way its backward frees it: (the context stream's,
-    RoPE's and the mask's, which the backward holds to its end; each layer's own, which autograd frees during
-    that layer's backward)."""
+def _saved_tensors(d: DFlashDims, t: int, a: int, b: int,
+                   attention: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """_saved_parts tensor by tensor, the bytes of each in the order the forward makes it: (the shared tensors,
+    each layer's). Each is its own allocation when the forward makes it, which the caching allocator places and
+    frees on its own (ops/costs.py NOTE [Layered backward])."""
     B = d.block_size
     q = a * B
     k = t + q
@@ -408,45 +409,46 @@ def _saved_parts(d: DFlashDims, t: int, a: int, b: int, attention: str) -> tuple
     nh, nkv, L = d.num_attention_heads, d.num_key_value_heads, d.num_hidden_layers
     qd, kvd = nh * hd, nkv * hd
 
-    def norm(n: int, dim: int) -> int:
+    def norm(n: int, dim: int) -> tuple[int, int, int]:
         # RMSNorm on an input that needs grad saves: x in float32 (pow and mul
         # backward; for fp32 this IS the input), rsqrt(var) [n, 1] float32,
         # and the normalised x cast back to b (for the weight's grad).
-        return _F32 * n * dim + _F32 * n + b * n * dim
+        return (_F32 * n * dim, _F32 * n, b * n * dim)
 
-    total = (
-        norm(t, h)  # hidden_norm(fc(context))
-        + b * t * h  # ctx = hidden_norm output, input of every k_proj/v_proj
-        + 2 * b * k * hd  # RoPE cos, sin [K, hd] (saved by the q and k rotations)
+    shared = (
+        *norm(t, h),  # hidden_norm(fc(context))
+        b * t * h,  # ctx = hidden_norm output, input of every k_proj/v_proj
+        b * k * hd, b * k * hd,  # RoPE cos, sin [K, hd] (saved by the q and k rotations)
     )
     if attention == "fused":
-        total += b * q * k  # the additive mask [Q, K], one tensor for all layers
-    per_layer = (
-        norm(q, h)  # input_layernorm(h)
-        + b * q * h  # its output x, input of q/k/v_proj
-        + norm(q * nh, hd)  # q_norm(q_proj(x))
-        + norm(k * nkv, hd)  # k_norm(cat(k_proj(ctx), k_proj(x)))
-        + b * q * qd  # attention output [Q, nh*hd], input of o_proj
-        + norm(q, h)  # post_attention_layernorm(h + attn)
-        + b * q * h  # its output, input of gate/up_proj
-        + 4 * b * q * inter  # gate out (SiLU), SiLU out and up out (product), product (down_proj)
-    )
-    if attention == "fused":
-        per_layer += (
-            b * q * qd  # q after RoPE
-            + 2 * b * k * kvd  # k after RoPE, v = cat(v_proj(ctx), v_proj(x))
-            + _F32 * nh * q  # logsumexp [nh, Q]
-        )  # (the output is the o_proj input above: same storage)
-    else:
-        per_layer += (
-            _F32 * nh * q * hd  # q * sqrt(scale), float32
-            + 2 * _F32 * nh * k * hd  # k^T * sqrt(scale), v: float32, repeated to nh heads
-            + _F32 * nh * q * k  # softmax probabilities [nh, Q, K]
-        )
-    # layer 0's input is the frozen embedding output: its input_layernorm
-    # saves only the normalised x (no grad flows into the embedding)
-    first_layer_discount = _F32 * q * h + _F32 * q
-    return total, tuple(per_layer - (first_layer_discount if i == 0 else 0) for i in range(L))
+        shared += (b * q * k,)  # the additive mask [Q, K], one tensor for all layers
+
+    def layer(i: int) -> tuple[int, ...]:
+        # layer 0's input is the frozen embedding output: its input_layernorm
+        # saves only the normalised x (no grad flows into the embedding)
+        ts = (norm(q, h)[2:] if i == 0 else norm(q, h))  # input_layernorm(h)
+        ts += (b * q * h,)  # its output x, input of q/k/v_proj
+        ts += norm(q * nh, hd)  # q_norm(q_proj(x))
+        ts += norm(k * nkv, hd)  # k_norm(cat(k_proj(ctx), k_proj(x)))
+        if attention == "fused":
+            ts += (
+                b * q * qd,  # q after RoPE
+                b * k * kvd, b * k * kvd,  # k after RoPE, v = cat(v_proj(ctx), v_proj(x))
+                _F32 * nh * q,  # logsumexp [nh, Q]
+            )  # (the output is the o_proj input below: same storage)
+        else:
+            ts += (
+                _F32 * nh * q * hd,  # q * sqrt(scale), float32
+                _F32 * nh * k * hd, _F32 * nh * k * hd,  # k^T * sqrt(scale), v: float32, repeated to nh heads
+                _F32 * nh * q * k,  # softmax probabilities [nh, Q, K]
+            )
+        ts += (b * q * qd,)  # attention output [Q, nh*hd], input of o_proj
+        ts += norm(q, h)  # post_attention_layernorm(h + attn)
+        ts += (b * q * h,)  # its output, input of gate/up_proj
+        ts += (b * q * inter,) * 4  # gate out (SiLU), SiLU out and up out (product), product (down_proj)
+        return ts
+
+    return shared, tuple(layer(i) for i in range(L))
 
 
 def layer_backward_workspace_bytes(d: DFlashDims, ctx_tokens: int, anchors: int, dtype_bytes: int) -> int:
@@ -471,10 +473,11 @@ def context_backward_workspace_bytes(d: DFlashDims, ctx_tokens: int, dtype_bytes
 
 def forward_saved_parts(
     d: DFlashDims, ctx_tokens: int, anchors: int, dtype_bytes: int, *, attention: str = "fused"
-) -> tuple[int, tuple[int, ...]]:
-    """forward_saved_bytes split as the backward frees it: (what the backward keeps to its end, each layer's)."""
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """forward_saved_bytes split as the backward frees it, tensor by tensor: (what the backward keeps to its end,
+    each layer's), the bytes of each saved tensor; they sum to forward_saved_bytes."""
     t, _ = _check_mem_args(d, ctx_tokens, anchors, dtype_bytes, attention)
-    return _saved_parts(d, t, anchors, dtype_bytes, attention)
+    return _saved_tensors(d, t, anchors, dtype_bytes, attention)
 
 
 class _Tape:

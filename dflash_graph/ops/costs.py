@@ -31,6 +31,9 @@ class NodeCost:
     # A trainable model's backward in the order autograd runs it, one step per part of the model (NOTE [Layered
     # backward]); () : the node's weight gradients are made whole at its backward, its saved bytes freed after.
     backward: tuple["BackwardUnit", ...] = ()
+    # the saved bytes no backward unit frees (held to the end of the node's backward), tensor by tensor; () : one
+    # block
+    saved_tensors: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -47,6 +50,8 @@ class BackwardUnit:
     saved_bytes: int
     workspace_bytes: int
     tensors: tuple[tuple[str, int], ...] = ()
+    # `saved_bytes` tensor by tensor, in the order the forward makes them; () : one block
+    saved_tensors: tuple[int, ...] = ()
 
 
 # NOTE [Layered backward]: autograd runs a model's backward op by op, its last layer first: a layer's weight
@@ -59,19 +64,26 @@ class BackwardUnit:
 # once, against the 457,984 B its layer-by-layer backward adds at most (tests/test_dp.py).
 # The granularity is autograd's, for the caching allocator's sake: AccumulateGrad
 # (torch/csrc/autograd/functions/accumulate_grad.h accumulateGrad) makes each parameter's .grad, one tensor and
-# one allocator request, when its gradient is first computed (BackwardUnit.tensors; the trainer then makes one
-# fp32 gradient per master and AdamW's foreach step one temporary per parameter, analysis/memory.py). The
-# allocator (c10/cuda/CUDACachingAllocator.cpp) serves a request from the smallest cached free block at least
-# that large in its pool (get_free_block), splitting it when the rest is over 1 MiB; freed blocks merge only
-# with free neighbours of the same segment (try_merge_blocks); only when no cached block fits does it
-# cudaMalloc a new segment (alloc_block). The layered replay frees each layer's saved tensors as its own block
-# (one segment each when the forward made them: 1.8-2.0 GiB on qwen3_8b's drafter), so a request the size of a
-# whole model's gradients does not fit in any of them where per-parameter requests do. With one block per
-# model (1310fe7) qwen3_8b's gpu1 had two new segments after the backward, the drafter layers' fp32 gradients
-# (3.59 GiB) and AdamW's temporaries (3.91 GiB): 38.10 GiB reserved for 29.79 GiB allocated; with a request per
-# parameter (at most 192 MiB) they reuse the freed saved blocks and reserved is 30.06 GiB (`python -m
-# dflash_graph check graphs/qwen3_8b.toml`; before the layered backward, one saved block of 11.3 GiB freed
-# whole took them: 31.06 / 31.86 GiB).
+# one allocator request, when its gradient is first computed (BackwardUnit.tensors); each tensor the forward
+# saves was its own request (BackwardUnit.saved_tensors, NodeCost.saved_tensors); the trainer makes one fp32
+# gradient per master and AdamW's foreach step one temporary per parameter (analysis/memory.py). The allocator
+# (c10/cuda/CUDACachingAllocator.cpp) serves a request from the smallest cached free block at least that large
+# in its pool (get_free_block), splitting it when the rest is over 1 MiB (large pool); a request of 10 MiB or
+# more that finds none gets a segment of its own size (alloc_block, get_allocation_size); freed blocks merge only
+# with free neighbours of the same segment (try_merge_blocks). So what the replay frees and requests as one
+# block, and in which sizes, decides reserved. Measured on the event sequence of qwen3_8b's gpu1 and qwen27b's
+# gpu7 (`python -m dflash_graph check graphs/qwen3_8b.toml`, `... graphs/qwen27b.toml`), allocated / reserved:
+# - one saved block per node, weight gradients one block per model (before the layered backward): the 11.3 GiB
+#   saved block, freed whole, took the fp32 gradients and AdamW's temporaries: 31.06 / 31.86 and 71.80 / 73.31 GiB;
+# - saved per layer, gradients and optimizer one block per model (1310fe7): neither the drafter layers' fp32
+#   gradients (3.59 GiB on qwen3_8b) nor AdamW's temporaries (3.91 GiB) fit a freed layer's block (1.8-2.0 GiB, a
+#   segment each), two new segments: 29.79 / 38.10 and 71.80 / 85.06 GiB;
+# - every request autograd and AdamW make (now): 29.79 / 30.03 and 71.80 / 74.77 GiB. qwen27b's drafter is above
+#   the first row because of real sizes, not the replay's blocks: an MLP weight's fp32 gradient and AdamW
+#   temporary ([17,408, 5,120] fp32, 340 MiB) do not fit the MLP activations its layers saved and freed
+#   ([8,192, 17,408] bf16, 272 MiB each), so the optimizer adds segments of its own.
+# No GPU has measured these reserved figures; the live bytes, which do not depend on the granularity, are the
+# tracker's (tests/test_dp.py, tests/test_run.py).
 
 
 @attrs.frozen
@@ -456,13 +468,14 @@ def drafter_forward(c: CostContext) -> NodeCost:
         shared, layers = dflash.forward_saved_parts(d, ctx, anchors, c.dtype_bytes)
         ws = dflash.layer_backward_workspace_bytes(d, ctx, anchors, c.dtype_bytes)
         per_layer = tuple(("layers", n) for _, n in dflash.layer_param_tensors(d))
-        backward = (*(BackwardUnit(("layers",), i, layers[i], ws, per_layer)
+        backward = (*(BackwardUnit(("layers",), i, sum(layers[i]), ws, per_layer, layers[i])
                       for i in reversed(range(d.num_hidden_layers))),
                     BackwardUnit(("fc", "hidden_norm"), None, 0,
                                  dflash.context_backward_workspace_bytes(d, ctx, c.dtype_bytes),
                                  (("hidden_norm", d.hidden_size), ("fc", d.fc_in_features * d.hidden_size))))
     return NodeCost(
         backward=backward,
+        saved_tensors=shared if c.grad else (),
         workspace_bytes=dflash.forward_workspace_bytes(d, ctx, anchors, c.dtype_bytes),
         saved_bytes=dflash.forward_saved_bytes(d, ctx, anchors, c.dtype_bytes) if c.grad else 0,
         flops=dflash.forward_flops(d, ctx, anchors),
