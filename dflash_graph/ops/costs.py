@@ -78,10 +78,11 @@ class BackwardUnit:
 # - saved per layer, gradients and optimizer one block per model (1310fe7): neither the drafter layers' fp32
 #   gradients (3.59 GiB on qwen3_8b) nor AdamW's temporaries (3.91 GiB) fit a freed layer's block (1.8-2.0 GiB, a
 #   segment each), two new segments: 29.79 / 38.10 and 71.80 / 85.06 GiB;
-# - every request autograd and AdamW make (now): 29.79 / 30.03 and 71.80 / 74.77 GiB. qwen27b's drafter is above
-#   the first row because of real sizes, not the replay's blocks: an MLP weight's fp32 gradient and AdamW
-#   temporary ([17,408, 5,120] fp32, 340 MiB) do not fit the MLP activations its layers saved and freed
-#   ([8,192, 17,408] bf16, 272 MiB each), so the optimizer adds segments of its own.
+# - every request autograd and AdamW make (now): 29.79 / 30.03 and 71.80 / 74.77 GiB. qwen27b's gpu7 is 1.46 GiB
+#   above the first row because no freed block is as large as some requests: the context stream's backward
+#   bound (1.25 GiB), in the second step the loss's chunk (1.42 GiB) and a few saved tensors, and five optimizer
+#   requests, an MLP weight's fp32 gradient or AdamW temporary ([17,408, 5,120] fp32, 340 MiB), larger than any
+#   MLP activation its layers saved and freed ([8,192, 17,408] bf16, 272 MiB), each make a segment.
 # No GPU has measured these reserved figures; the live bytes, which do not depend on the granularity, are the
 # tracker's (tests/test_dp.py, tests/test_run.py).
 
