@@ -9,8 +9,10 @@ allocator's steady state) from the graph and the op costs:
   forward    nodes in topological order: each node's program (temporaries, outputs), then inputs are freed after
              their last consumer, unless autograd saved them for backward
   backward   trainable-path nodes in reverse: parameter gradients on first touch, input gradients, saved tensors
-             freed
-  optimizer  AdamW's foreach temporaries, then gradients freed (zero_grad(set_to_none=True))
+             freed (a node with backward units layer by layer, one request per parameter's gradient and per
+             saved tensor: ops/costs.py NOTE [Layered backward])
+  optimizer  each gradient to fp32 for its master (one request each), AdamW's foreach temporaries (one per
+             parameter), then gradients freed (zero_grad(set_to_none=True))
 
 The allocated peak is the live bytes (torch.cuda.max_memory_allocated); the reserved peak comes from replaying
 the same sequence through a model of PyTorch's caching allocator (analysis/allocator.py). The verdict compares
