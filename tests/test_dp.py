@@ -350,6 +350,42 @@ def test_the_drafters_backward_in_check_bounds_the_tracker_layer_by_layer(in_rep
     assert 0 <= predicted - measured <= 0.07 * peak, (predicted, measured, peak)
 
 
+def test_check_requests_what_autograd_and_adamw_request(in_repo):
+    """The granularity the caching allocator sees (ops/costs.py NOTE [Layered backward]): in check's replay of
+    tiny_dp's d0, each drafter layer's backward makes one weight gradient per parameter of the module the trainer
+    builds (AccumulateGrad's .grad, same bytes), and the optimizer one fp32 gradient and one foreach temporary
+    per trainable parameter; the forward's saved tensors sum to what the drafter's cost saves."""
+    from collections import Counter
+
+    import torch
+
+    from dflash_graph.analysis.memory import device_events
+    from dflash_graph.analysis.nodecost import node_cost
+    from dflash_graph.models.nn.dflash import DFlashDrafter
+    from dflash_graph.rewrite.pipeline import compile_graph
+    from dflash_graph.units import DTYPE_BYTES
+
+    typed = compile_graph("graphs/tiny_dp.toml", []).typed
+    events, _ = device_events(typed, "d0")
+    m = typed.ctx.models["drafter"]
+    width = DTYPE_BYTES[m.spec.dtype]
+    drafter = DFlashDrafter(m.dims, torch.nn.Embedding(m.dims.vocab_size, m.dims.hidden_size), own_norm=False)
+    step1 = events[:next(i for i, e in enumerate(events) if e.label.startswith("zero_grad")) + 1]
+    for i, layer in enumerate(drafter.layers):
+        made = Counter(e.size for e in step1
+                       if e.op == "alloc" and e.label.startswith(f"drafter/backward layer {i} weight grad"))
+        assert made == Counter(p.numel() * width for p in layer.parameters()), (i, made)
+    params = Counter(p.numel() * 4 for p in drafter.parameters() if p.requires_grad)
+    temps = Counter(e.size for e in step1 if e.op == "alloc" and e.label == "optimizer/foreach temporaries")
+    assert temps == params, (temps, params)
+    if width != 4:
+        assert Counter(e.size for e in step1 if e.op == "alloc" and e.label == "optimizer/fp32 grads") == params
+    node = next(n for n in typed.graph.nodes if n.id == "drafter")
+    cost = node_cost(typed, node, True)
+    saved = [e.size for e in step1 if e.op == "alloc" and e.label == "drafter/saved for backward"]
+    assert len(saved) > 2 * len(drafter.layers) and sum(saved) == cost.saved_bytes, (saved, cost.saved_bytes)
+
+
 # a learning rate that depends on the step alone (warmup longer than any run here: train/trainer.py _lr_lambda), so
 # that a run interrupted and resumed for fewer steps follows the same schedule as one that trains them in one go
 WARMUP = ["--set", "train.warmup_steps=1000"]
