@@ -405,7 +405,7 @@ def render_bill(b: Bill) -> str:
         lines.append(f"  {s.name:<14}{fmt_bytes(s.per_sample):>12}{_tb(s.total):>14}"
                      f"{(_rate(bw) if bw else '-'):>14}  {s.what}{tag}")
     saved = b.as_written_per_sample - b.one_draw_payload
-    lines.append(f"  the rewrites save {fmt_bytes(saved)} per sample ({fmt_bytes(saved * b.samples)} in all): the graph "
+    lines.append(f"  the rewrites save {fmt_bytes(saved)} per sample ({_tb(saved * b.samples)} in all): the graph "
                  f"as written sends {fmt_bytes(b.as_written_per_sample)} per sample, the checked graph "
                  f"{fmt_bytes(b.one_draw_payload)}")
     more = b.draw_bytes.get("anchored")
@@ -415,7 +415,8 @@ def render_bill(b: Bill) -> str:
                      f"{fmt_bytes(more)} per sample ({_tb(more * b.samples)} in all; anchored-fp8: "
                      f"{fmt_bytes(b.draw_bytes['anchored-fp8'])})")
     if b.drafter_step_seconds:
-        lines.append(f"  read rate: a step's {b.samples_per_step} samples within the drafter's predicted busy time "
+        per_step = "1 sample" if b.samples_per_step == 1 else f"{b.samples_per_step} samples"
+        lines.append(f"  read rate: a step's {per_step} within the drafter's predicted busy time "
                      f"of {fmt_seconds(b.drafter_step_seconds)} per step")
     if b.disk_bytes is None:
         lines.append(f"  disk: {b.disk_from}")
