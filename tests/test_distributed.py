@@ -716,3 +716,106 @@ def test_a_launch_of_the_wrong_size_exits_2_with_the_refusal_once(in_repo, tmp_p
     assert "Traceback" not in text and "ChildFailedError" not in text and "internal error" not in text, text
     assert text.splitlines()[-1].startswith("dflash-graph launch: rank 0 (pid "), text
     assert not (tmp_path / "run").exists()
+
+
+# -- the end of a rank that finished: nothing of the launch is left to interpreter finalization (NOTE [Teardown]) ---
+
+def _os_threads() -> list[str]:
+    """The names of this process's threads as the kernel knows them (C++ threads too: pt_gloo_runloop, ...)."""
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(Path(f"/proc/self/task/{t}/comm").read_text().strip())
+        except OSError:
+            pass
+    return names
+
+
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+class _SlowStore:
+    """A store whose writes take `delay` seconds, the GIL released meanwhile (as TCPStore.set on a loaded machine)."""
+
+    def __init__(self, store, delay):
+        self.store, self.delay = store, delay
+
+    def set(self, key, value):
+        time.sleep(self.delay)
+        self.store.set(key, value)
+
+
+def test_close_joins_its_threads_gives_the_signals_back_and_destroys_every_group(monkeypatch):
+    """A one-rank launch in this process: the Comm, a replica group that ran an all-reduce (on gloo's worker
+    threads) and a gather, and the heartbeat slowed down to be inside a store write when close() is called. close() returns only once the heartbeat and the helper threads have
+    ended, gives the signal handlers back, destroys every group and lets go of them. Before, close() returned
+    with the heartbeat still inside its write: a rank that then reached interpreter finalization could abort
+    ('terminate called without an active exception', NOTE [Teardown])."""
+    import threading
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from dflash_graph.exec import distributed as D
+
+    monkeypatch.setattr(D.Comm, "started", False)
+    monkeypatch.setattr(D, "BEAT_SECONDS", 0.01)
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    gloo_before = sum(n in GLOO_THREADS for n in _os_threads())
+    comm = D.Comm(types.SimpleNamespace(backend="gloo", transfers=[]), {0: ["d0"]}, 30.0, str)
+    try:
+        assert D.Comm.started and D.Comm.active is comm
+        group = D.replica_group(comm, [0])
+        assert comm.groups == [group]
+        x = torch.ones(4)
+        dist.all_reduce(x, group=group)      # on gloo's worker threads, as DDP's gradient all-reduce
+        assert D.gather_among(comm, "x", group, [0], "a gather") == ["x"]
+        assert sum(n in GLOO_THREADS for n in _os_threads()) > gloo_before
+        comm.beat.store = _SlowStore(comm.beat.store, 0.3)
+        time.sleep(0.05)                     # the heartbeat is now inside a write
+        comm.close()
+        assert not comm.beat.is_alive()
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("dflash")]
+        assert {sig: signal.getsignal(sig) for sig in before} == before
+        assert not dist.is_initialized() and D.Comm.active is None
+        assert comm.groups == [] and comm.ctrl is None
+        comm.close()                         # idempotent
+    finally:
+        D.Comm.active = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for sig, h in before.items():
+            signal.signal(sig, h)
+
+
+def test_a_rank_ends_by_os_exit_and_a_finished_one_closes_first(monkeypatch):
+    """python -m dflash_graph under torchrun ends by os._exit, output flushed (NOTE [Teardown]): exit 0 closes a
+    Comm that a path left open (a resume of a finished run) and records nothing; a nonzero exit records its cause
+    for the other ranks and does not close; a process that started no launch is left alone."""
+    import types
+
+    from dflash_graph.exec import distributed as D
+
+    done = []
+
+    def _exit(code):
+        done.append(("exit", code))
+
+    monkeypatch.setattr(D.os, "_exit", _exit)
+    monkeypatch.setattr(D.Comm, "started", False)
+    D.end_rank(0)
+    assert done == []
+    monkeypatch.setattr(D.Comm, "started", True)
+    fake = types.SimpleNamespace(beat=types.SimpleNamespace(state="running"), close=lambda: done.append("close"),
+                                 fail=lambda why: done.append(("fail", why)) or why, _name=lambda: "rank 1 (t1)")
+    monkeypatch.setattr(D.Comm, "active", fake)
+    D.end_rank(0)
+    assert done == ["close", ("exit", 0)]
+    done.clear()
+    D.end_rank(3)
+    assert done == [("fail", "rank 1 (t1) stopped the run: it exited with status 3 (its own message says why)"),
+                    ("exit", 3)]

@@ -50,6 +50,7 @@ EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports Ctrl-C
 HEADER = 5               # step, micro-batch, replica, busy seconds, waiting seconds
 INTERRUPT = "interrupted: "   # the start of a recorded cause that is Ctrl-C, not a fault
 VERDICT_WAIT = 60.0      # how long a rank that leaves a shared verdict to local rank 0 waits to be stopped
+CLOSE_WAIT = 35.0        # the longest close() waits for the heartbeat's last store write (the client's timeout is 30 s)
 
 
 def under_torchrun() -> bool:
@@ -156,7 +157,8 @@ class _Beat(threading.Thread):
 class Comm:
     """This rank's side of the launch: process group, receive queues, sends, heartbeat, fault reports."""
 
-    active: Comm | None = None     # this process's, once the process group exists (record_exit)
+    active: Comm | None = None     # this process's, from the process group's start to close() (record_exit)
+    started = False                # a process group was started in this process: it ends by os._exit (exit_now)
 
     def __init__(self, launch: Launch, devices_of_rank: Mapping[int, Sequence[str]], stall_timeout: float,
                  device_type: Callable[[str], str]):
@@ -174,7 +176,9 @@ class Comm:
         # setup (loading weights, building models) may take long: the process group's own timeout is generous;
         # every wait in the training loop is bounded by stall_timeout instead (see _watch)
         dist.init_process_group(backend, timeout=timedelta(seconds=max(600.0, self.stall)))
-        self.ctrl = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        Comm.started = True
+        self.groups: list = []      # the process groups made besides WORLD, in the order made (close destroys them)
+        self.ctrl = self.new_group(None, "gloo") if backend != "gloo" else dist.group.WORLD
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         prefix = f"dflash/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self._store_addr = (host, port, prefix)
@@ -191,8 +195,8 @@ class Comm:
         self.interrupted: str | None = None     # set by SIGINT: which rank was interrupted
         self._seen: dict[int, tuple[int, float]] = {}     # peer -> (last beat counter, when it last changed)
         self._last_check = 0.0
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        signal.signal(signal.SIGINT, self._on_sigint)
+        self._handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm),
+                          signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint)}
         # receive side: the slots this rank consumes, in order, and the posted ones
         self.incoming = [t for t in launch.transfers if t.dst_rank == self.rank]
         self.outgoing = [t for t in launch.transfers if t.src_rank == self.rank]
@@ -200,6 +204,13 @@ class Comm:
         self._pending_slots: deque = deque()
         self.wait_seconds = 0.0
         Comm.active = self
+
+    def new_group(self, ranks: Sequence[int] | None, backend: str):
+        """A process group besides WORLD (collective: every rank of the world calls it, also those outside
+        `ranks`), destroyed by close() before WORLD."""
+        g = dist.new_group(ranks=None if ranks is None else sorted(ranks), backend=backend)
+        self.groups.append(g)
+        return g
 
     def _client(self) -> dist.Store:
         host, port, prefix = self._store_addr
@@ -518,16 +529,66 @@ class Comm:
         return out
 
     def close(self) -> None:
+        """The end of a rank that finished: nothing of the launch may outlive it (NOTE [Teardown]). The heartbeat
+        says "done" and its thread is joined, the helper threads are joined, every process group is destroyed
+        (those made besides WORLD first, in reverse order, then WORLD), this object lets go of them and the
+        signal handlers are given back. Idempotent."""
+        if Comm.active is not self:
+            return
+        Comm.active = None
         self.beat.state = "done"
         try:
             self.beat.publish()
         except Exception:
             pass
         self.beat.stop.set()
+        self.beat.join(timeout=CLOSE_WAIT)
+        # every receive posted was consumed and every send waited for (plan_slots is exact), so the pool is idle;
+        # a wait that never ends is not waited for here (it would hold the exit; os._exit ends it)
+        self.pool.shutdown(wait=not self._posted, cancel_futures=True)
         try:
-            dist.destroy_process_group()
+            for g in reversed(self.groups):
+                if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
+            if dist.is_initialized():
+                dist.destroy_process_group()
         except Exception:
             pass
+        self.groups.clear()
+        self.ctrl = None
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+# NOTE [Teardown]
+# "terminate called without an active exception" (SIGABRT, exit -6) after a run had finished and printed its summary:
+# a thread other than the main one asked for the GIL while the interpreter was finalizing. CPython 3.11 ends such a
+# thread with pthread_exit; its forced unwind reaches a C++ destructor (noexcept), and std::terminate aborts the
+# process, so torchrun reports a failed launch. Two kinds of thread were alive at finalization:
+# - the heartbeat (a daemon thread): close() set its stop event and returned, and a rank with nothing left to do
+#   (a target rank) could reach finalization while the thread was still inside TCPStore.set with the GIL
+#   released; pybind11 takes the GIL back as set returns. A daemon thread in a store write at exit aborts about
+#   1 exit in 4 in a small reproduction (docs/distributed.md, "The end of a rank");
+# - gloo's worker and transport threads (pt_gloo_runloop, gloo_tcp_loop): destroy_process_group() takes a group
+#   out of torch's tables, but the group and its threads live on while anything holds it, and
+#   DistributedDataParallel leaves a reference in torch's C++ that outlives the DDP object, the group object and
+#   destroy_process_group (torch 2.13: a group that a DDP was built on still has its gloo threads after all three
+#   are gone and gc.collect() ran; one no DDP used has none). A worker that drops the last reference to a tensor
+#   Python let go of takes the GIL to free it (pytorch/pytorch#190489).
+# So close() joins the heartbeat and the helper threads and destroys every group while the interpreter is whole,
+# and a rank then ends by os._exit (end_rank), output flushed: no finalization runs, so no thread torch still
+# holds can meet it. A rank that stops on an error ended that way already (exit_now).
+
+
+def end_rank(code: int) -> None:
+    """The end of `python -m dflash_graph` in a process that started a launch's process group (nothing to do in
+    one process): a rank that finished (0) closes its Comm if a path returned without closing it (a resume of a
+    finished run), then every rank ends by os._exit with `code` (NOTE [Teardown])."""
+    if not Comm.started:
+        return
+    if code == 0 and Comm.active is not None:
+        Comm.active.close()
+    exit_now(code)
 
 
 def record_exit(why: str) -> bool:
@@ -544,12 +605,14 @@ def record_exit(why: str) -> bool:
 
 
 def exit_now(code: int) -> None:
-    """The end of a rank that exits nonzero: its cause recorded (a rank that printed an internal error, exit 3,
-    records that much), output flushed, and no wait for a helper thread still blocked on a dead peer. Nothing
-    to do before the process group exists, or in one process."""
-    if Comm.active is None:
+    """The end of a rank: a nonzero exit's cause recorded (a rank that printed an internal error, exit 3, records
+    that much), output flushed, and os._exit: no wait for a helper thread still blocked on a dead peer, and no
+    interpreter finalization for a thread torch still holds to meet (NOTE [Teardown]). Nothing to do before the
+    process group exists, or in one process."""
+    if not Comm.started:
         return
-    record_exit(f"it exited with status {code} (its own message says why)")
+    if code:
+        record_exit(f"it exited with status {code} (its own message says why)")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -571,11 +634,11 @@ def parallel_model(typed) -> tuple[str | None, str | None]:
     return None, None
 
 
-def replica_group(ranks: Sequence[int], backend: str):
-    """The process group of a data-parallel model's ranks. Every rank of the world calls this (new_group is
-    collective over the world, also for the ranks outside it); the DDP wrapper, the metrics gather and the
-    sharded checkpoint run on it."""
-    return dist.new_group(ranks=sorted(ranks), backend=backend)
+def replica_group(comm: Comm, ranks: Sequence[int]):
+    """The process group of a data-parallel model's ranks, on the launch's backend. Every rank of the world calls
+    this (new_group is collective over the world, also for the ranks outside it); the DDP wrapper, the metrics
+    gather and the sharded checkpoint run on it. comm.close() destroys it."""
+    return comm.new_group(ranks, comm.launch.backend)
 
 
 def gather_among(comm: Comm, obj, group, ranks: Sequence[int], what: str) -> list:

@@ -293,7 +293,7 @@ class Trainer:
         if self.comm is not None and len(self.dp_ranks) > 1:
             from ..exec.distributed import parallel_model, replica_group
 
-            self.dp_group = replica_group(self.dp_ranks, self.launch.backend)
+            self.dp_group = replica_group(self.comm, self.dp_ranks)
             self.fsdp = parallel_model(typed)[1] == "fsdp"
         self.seed = int(self.cfg["seed"])
         # under torchrun one rank, beside a target replica, runs the held-out evaluation (NOTE [Held-out
