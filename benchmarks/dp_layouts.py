@@ -5,8 +5,10 @@ bottleneck rank sets; both train the same global batch of 2 packed sequences) is
 
 Measured: metrics.jsonl's `ranks` (each rank's busy and waiting seconds per step: exec/distributed.py), the median
 over steps 2..N (step 1 pays for warm-up), and the median step time. Busy time on a drafter rank of a
-data-parallel drafter includes the gradient all-reduce inside backward; check does not time collectives yet
-(docs/distributed.md). Not a test: nothing is asserted, and the figures depend on the machine's load.
+data-parallel drafter includes the gradient all-reduce inside backward. check adds that all-reduce to the drafter
+ranks' busy time at the declared [launch] intra_node_bandwidth (NOTE [Collective time] in analysis/launch.py; the
+tiny graphs declare none, so NVLink's 450 GB/s, far above gloo over loopback TCP): the `collective` column is that
+part of the prediction. Not a test: nothing is asserted, and the figures depend on the machine's load (printed).
 
     python benchmarks/dp_layouts.py                 # 12 steps of each layout
     python benchmarks/dp_layouts.py --steps 20 --json runs/dp_layouts.json
@@ -35,8 +37,10 @@ def predicted(graph: str) -> dict:
     plan = compile_graph(str(ROOT / graph))
     launch = analyze_launch(plan.typed)
     busy = launch.rank_busy()
+    coll = {k: sum(launch.devices[d].collective_seconds for d in launch.rank_devices(k)) for k in busy}
     ranks, top = launch.bottleneck()
-    return {"busy_s": {str(k): v for k, v in sorted(busy.items())}, "step_s": top, "bottleneck": ranks}
+    return {"busy_s": {str(k): v for k, v in sorted(busy.items())},
+            "collective_s": {str(k): v for k, v in sorted(coll.items())}, "step_s": top, "bottleneck": ranks}
 
 
 def measured(graph: str, nproc: int, steps: int, out: Path) -> dict:
@@ -68,6 +72,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     res = {}
+    load = os.getloadavg()
+    print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, (graph, nproc) in LAYOUTS.items():
             res[name] = {"graph": graph, "ranks": nproc, "predicted": predicted(graph),
@@ -75,10 +81,11 @@ def main(argv=None) -> dict:
     for name, r in res.items():
         pr, me = r["predicted"], r["measured"]
         print(f"{name} ({r['graph']}, {r['ranks']} ranks; measured: median of steps 2..{me['steps'] + 1})")
-        print("  rank  predicted busy/step  measured busy/step  measured wait/step")
+        print("  rank  predicted busy/step (collective)  measured busy/step  measured wait/step  measured/predicted")
         for k in me["busy_s"]:
-            print(f"  {k:>4}  {pr['busy_s'][k] * 1e3:15.1f} ms  {me['busy_s'][k] * 1e3:15.1f} ms  "
-                  f"{me['wait_s'][k] * 1e3:15.1f} ms")
+            print(f"  {k:>4}  {pr['busy_s'][k] * 1e3:15.1f} ms ({pr['collective_s'][k] * 1e3:6.3f} ms)  "
+                  f"{me['busy_s'][k] * 1e3:15.1f} ms  {me['wait_s'][k] * 1e3:15.1f} ms  "
+                  f"{me['busy_s'][k] / pr['busy_s'][k]:17.2f}x")
         print(f"  step: predicted {pr['step_s'] * 1e3:.1f} ms (bottleneck ranks {pr['bottleneck']}), measured "
               f"{me['step_s'] * 1e3:.1f} ms")
     by_pred = sorted(res, key=lambda n: res[n]["predicted"]["step_s"])
@@ -86,7 +93,10 @@ def main(argv=None) -> dict:
     agree = by_pred == by_meas
     print(f"ranking (fastest step first): check {' < '.join(by_pred)}; measured {' < '.join(by_meas)}: "
           f"{'agrees' if agree else 'DISAGREES'}")
-    out = {"layouts": res, "ranking": {"predicted": by_pred, "measured": by_meas, "agrees": agree}}
+    after = os.getloadavg()
+    print(f"load average after: {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}")
+    out = {"layouts": res, "ranking": {"predicted": by_pred, "measured": by_meas, "agrees": agree},
+           "load_average": {"before": list(load), "after": list(after)}}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))

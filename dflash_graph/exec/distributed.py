@@ -567,8 +567,7 @@ class Comm:
 # process, so torchrun reports a failed launch. Two kinds of thread were alive at finalization:
 # - the heartbeat (a daemon thread): close() set its stop event and returned, and a rank with nothing left to do
 #   (a target rank) could reach finalization while the thread was still inside TCPStore.set with the GIL
-#   released; pybind11 takes the GIL back as set returns. A daemon thread in a store write at exit aborts about
-#   1 exit in 4 in a small reproduction (docs/distributed.md, "The end of a rank");
+#   released; pybind11 takes the GIL back as set returns (tools/exit_aborts.py reproduces it);
 # - gloo's worker and transport threads (pt_gloo_runloop, gloo_tcp_loop): destroy_process_group() takes a group
 #   out of torch's tables, but the group and its threads live on while anything holds it, and
 #   DistributedDataParallel leaves a reference in torch's C++ that outlives the DDP object, the group object and
