@@ -8,6 +8,7 @@ and per node. On CUDA the interpreter reads torch.cuda.max_memory_allocated inst
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 
@@ -37,9 +38,27 @@ class LiveTracker(TorchDispatchMode):
         self.device: str | None = None
         self.node: str | None = None
         self._refs: dict[int, tuple[weakref.ref, str, int]] = {}
+        self._paused = 0
 
     def charge(self, device: str | None, node: str | None = None) -> None:
+        if self._paused:
+            device, node = None, None
         self.device, self.node = device, node
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Charge nothing new inside (what a node's run charges included) while storages counted before still
+        release their bytes when they die: the one-process held-out evaluation runs the graph's nodes under this
+        tracker, and memory.json compares the training steps with check's prediction (NOTE [Held-out evaluation
+        under torchrun], train/heldout.py, says the same of the evaluation inside a torchrun job)."""
+        prev = (self.device, self.node)
+        self._paused += 1
+        self.device, self.node = None, None
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self.device, self.node = prev
 
     def adopt(self, t: torch.Tensor, device: str, charge: bool = True) -> None:
         """Charge a tensor that existed before tracking began (a weight) to `device`, once per device, and remember

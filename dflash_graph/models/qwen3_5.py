@@ -1205,6 +1205,7 @@ def _replay(
     record: bool = False,
     attn_implementation: str = "sdpa",
     linear_kernels: str = "torch",
+    position_ids_given: bool = False,
 ) -> _Live:
     _check_args(d, seq, dtype_bytes, attention)
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -1217,9 +1218,13 @@ def _replay(
 
     # ---- prologue: Qwen3_5TextModel.forward (mq L1231-L1270) ----
     lv.phase = "prologue"
-    lv.alloc("arange", 8 * s)  # torch.arange(seq) int64 (mq L1243)
-    lv.alloc("position_ids", 8 * s)  # + past_seen_tokens; expand/[0]/[1:] are views
-    lv.free("arange")
+    if not position_ids_given:
+        # position_ids=None: made here (transformers 5.25.0's Qwen3_5TextModel.forward, L1323-L1326). Given
+        # (models/nn/target.body_forward passes each document's slice of the packed row),
+        # `position_ids[None, ...].expand(4, ...)`, [0] and [1:] are views.
+        lv.alloc("arange", 8 * s)  # torch.arange(seq) int64 (mq L1243)
+        lv.alloc("position_ids", 8 * s)  # + past_seen_tokens; expand/[0]/[1:] are views
+        lv.free("arange")
     masked = False
     if not use_cache:
         # create_causal_mask -> _preprocess_mask_arguments -> find_packed_sequence_indices
@@ -1359,10 +1364,16 @@ def _derived_dims(d: Qwen35Dims, dtype_bytes: int) -> tuple[tuple[str, int], ...
 @functools.lru_cache(maxsize=64)
 def body_events(d: Qwen35Dims, seq: int, dtype_bytes: int):
     """The body forward's events (models/body.py) from the replay: the prologue, one chunk per replayed layer kind
-    (type, not the first layer), and the final norm. The replay frees the embedding output after layer 0."""
+    (type, not the first layer), and the final norm, as models/nn/target.body_forward calls the body: with the
+    position ids (a document's slice of the packed row: views, nothing allocated for them), and with the embedding
+    output alive until the body returns, since ``Qwen3_5TextModel.forward`` keeps it in ``inputs_embeds``
+    through every layer (``inputs_embeds = self.embed_tokens(input_ids)``, then ``hidden_states = inputs_embeds``:
+    lines 1317 and 1351 of transformers 5.25.0's modeling_qwen3_5.py). Freed after layer 0, as it was, check
+    predicted one [seq, hidden] state less than the live tracker (exec/memtrack.py) measures at the target's peak
+    (tests/test_run.py)."""
     from .body import BodyEvents
 
-    lv = _replay(d, seq, dtype_bytes, use_cache=False, record=True, **forward_kwargs(d))
+    lv = _replay(d, seq, dtype_bytes, use_cache=False, record=True, position_ids_given=True, **forward_kwargs(d))
     prologue, chunks, cur = [], [], []
     in_layers = False
     for phase, ev, size, _ in lv.events:
@@ -1376,8 +1387,9 @@ def body_events(d: Qwen35Dims, seq: int, dtype_bytes: int):
             continue
         cur.append((ev, size))
     keys = list(dict.fromkeys((t, i > 0) for i, t in enumerate(d.layer_types)))
+    cur.append(("-@embeds", 0))     # inputs_embeds dies as the body returns, after the final norm (5.25.0: L1365)
     return BodyEvents(prologue=tuple(prologue), layers=dict(zip(keys, chunks)), final=tuple(cur),
-                      label=functools.partial(tensor_label, d, seq, dtype_bytes))
+                      label=functools.partial(tensor_label, d, seq, dtype_bytes), embeds_to_end=True)
 
 
 def body_forward_workspace_bytes(

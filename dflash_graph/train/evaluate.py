@@ -5,6 +5,7 @@ resumed run)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -19,8 +20,10 @@ def evaluate(interp, loss_node: str, held: PackedData, batches: int, seed: int =
     interp.generator.manual_seed(seed + 7919)
     losses, accs, counts = [], [], None
     seqs = list(held.sequences(batches * R))
+    # the run's memory tracker counts training only: memory.json compares it with check's prediction of a step
+    untracked = interp.tracker.paused() if interp.tracker is not None else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), untracked:
             for i in range(0, len(seqs), R):
                 group = seqs[i:i + R]
                 while len(group) < R:          # the last group: repeat its first sequence, counted once

@@ -532,10 +532,16 @@ class Trainer:
             if self.block:
                 from ..models.nn.dflash import slot_reach
 
+                # the run's own statistics, host tensors on any device: not the graph's memory that memory.json
+                # compares with check (charged to the token node's device, they were 12,800 B at that node and
+                # 32 B at the target's peak on tiny.toml's CPU devices)
+                tr = self.interp.tracker
+                untracked = tr.paused() if tr is not None else contextlib.nullcontext()
                 mask = b["loss_mask"]
-                cover["reach"] = cover["reach"] + (slot_reach(mask, b["position_ids"], self.block)
-                                                   & mask[:, None]).sum(0)
-                cover["loss_tokens"] += int(mask.sum())
+                with untracked:
+                    cover["reach"] = cover["reach"] + (slot_reach(mask, b["position_ids"], self.block)
+                                                       & mask[:, None]).sum(0)
+                    cover["loss_tokens"] += int(mask.sum())
             return b
         ranks: dict[int, list[float]] = {}
         t_step = time.perf_counter()
