@@ -62,6 +62,19 @@ def test_tiny_run_trains_and_measures(in_repo, tmp_path):
     assert gap["drafter"] == gap["features_tx"] and 0 <= gap["features_tx"] < 1024, gap
     draft = mem["devices"]["draft"]
     assert 0 <= draft["measured_peak_bytes"] - draft["predicted_peak_bytes"] <= 2e-4 * draft["predicted_peak_bytes"], draft
+    # the target devices, held as tightly: at the target's peak (layer 3's chunked delta rule) both hold the same
+    # tensors, the embedding output included (Qwen3_5TextModel.forward keeps it in inputs_embeds until it returns:
+    # models/qwen3_5.body_events), and the measured side counts the training steps only (the held-out evaluation
+    # and the trainer's statistics are not the graph's: LiveTracker.paused). What remains is resident, the same
+    # from the token node on: the rotary embedding's inv_freq and original_inv_freq buffers (2 x 8 float32, not
+    # in check's parameter counts) and 2 B that splitting the layers' weights into 6 equal blocks rounds off
+    for dev in ("t0", "t1"):
+        tgap = {n: v[dev]["measured_peak_bytes"] - v[dev]["predicted_peak_bytes"]
+                for n, v in mem["nodes"].items() if dev in v}
+        assert tgap["target"] == tgap["tokens"] == tgap["features"] and 0 <= tgap["target"] < 1024, (dev, tgap)
+        d = mem["devices"][dev]
+        assert d["predicted_peak_node"] == "target", d
+        assert 0 <= d["measured_peak_bytes"] - d["predicted_peak_bytes"] <= 2e-4 * d["predicted_peak_bytes"], d
     assert (out / "checkpoint" / "drafter.safetensors").exists()
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 4
 
@@ -193,3 +206,24 @@ def test_fused_and_unfused_runs_agree(in_repo, tmp_path):
         assert 0.9 <= d["measured_peak_bytes"] / d["predicted_peak_bytes"] <= 1.1, (name, d)
     print(f"\nfused vs unfused, 20 steps of tiny.toml: largest relative loss difference {worst:.2e}; fused draft "
           f"memory measured/predicted {mem['devices']['draft']['ratio']}")
+
+
+def test_live_tracker_paused_charges_nothing_new():
+    # what the one-process held-out evaluation and the trainer's statistics allocate is not charged to the graph's
+    # devices (memory.json compares the training steps with check), while a storage counted before still gives its
+    # bytes back when it dies inside, and a node's charge made inside does not outlive the pause
+    from dflash_graph.exec.memtrack import LiveTracker
+
+    with LiveTracker() as tr:
+        tr.charge("t0", "tokens")
+        kept = torch.ones(256, dtype=torch.float32)
+        assert tr.live["t0"] == 1024
+        with tr.paused():
+            tr.charge("t0", "target")            # as Interpreter.run_replica charges each node
+            extra = torch.ones(512, dtype=torch.float32)
+            del kept
+            assert tr.live["t0"] == 0
+        assert (tr.device, tr.node) == ("t0", "tokens")
+        after = torch.ones(64, dtype=torch.float32)
+        assert tr.live["t0"] == 256 and tr.peak["t0"] == 1024 and tr.node_peak == {"tokens": 1024}
+        del extra, after
