@@ -20,8 +20,10 @@ def evaluate(interp, loss_node: str, held: PackedData, batches: int, seed: int =
     interp.generator.manual_seed(seed + 7919)
     losses, accs, counts = [], [], None
     seqs = list(held.sequences(batches * R))
-    # the run's memory tracker counts training only: memory.json compares it with check's prediction of a step
+    # the run's memory figures are the training steps': memory.json compares them with check's prediction of a
+    # step (NOTE [Held-out evaluation under torchrun] says the same of the evaluation inside a torchrun job)
     untracked = interp.tracker.paused() if interp.tracker is not None else contextlib.nullcontext()
+    meter, interp.cuda_meter = interp.cuda_meter, None
     try:
         with torch.no_grad(), untracked:
             for i in range(0, len(seqs), R):
@@ -40,6 +42,7 @@ def evaluate(interp, loss_node: str, held: PackedData, batches: int, seed: int =
                     del res, out
     finally:
         interp.generator.set_state(saved)
+        interp.cuda_meter = meter
     acc = torch.stack(accs).mean(0)
     return {"loss": round(sum(losses) / len(losses), 6), "slot_acc": [round(float(a), 4) for a in acc.tolist()],
             "sequences": len(seqs), **acceptance(counts.tolist())}
