@@ -23,6 +23,27 @@ from test_run import SMALL_27B, read_metrics, sets
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def as_torchrun_rank(monkeypatch, world: int, rank: int) -> list[int]:
+    """This process as rank `rank` of a torchrun launch of `world` processes that has not made its process group
+    yet (what the launch's verdict sees): its os._exit recorded (the codes, returned) and raised as SystemExit,
+    no signal handlers installed, no wait for a verdict."""
+    from dflash_graph.exec import distributed as D
+
+    exits: list[int] = []
+
+    def _exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(D.os, "_exit", _exit)
+    monkeypatch.setattr(D.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(D, "VERDICT_WAIT", 0.0)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    return exits
+
+
 def _env():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("WORLD_SIZE", None)
@@ -467,20 +488,7 @@ def test_a_launch_of_the_wrong_size_is_refused_by_local_rank_0_alone(in_repo, tm
     """Every rank of `torchrun --nproc-per-node 2` on a 3-rank graph reaches the same verdict: local rank 0
     prints it, before the memory report, and exits 2; another rank prints nothing and waits for the launcher to
     stop it (torchrun stops the rest when one exits nonzero), then exits 2 too."""
-    from dflash_graph.exec import distributed as D
-
-    exits = []
-
-    def _exit(code):
-        exits.append(code)
-        raise SystemExit(code)
-
-    monkeypatch.setattr(D.os, "_exit", _exit)
-    monkeypatch.setattr(D.signal, "signal", lambda *a: None)
-    monkeypatch.setattr(D, "VERDICT_WAIT", 0.0)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", str(local_rank))
-    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    exits = as_torchrun_rank(monkeypatch, 2, local_rank)
     with pytest.raises(SystemExit):
         main(["run", "graphs/tiny.toml", "--out", str(tmp_path / "run"), "--no-progress"])
     out = capsys.readouterr()

@@ -10,6 +10,7 @@ Every launch runs in its own session and is killed with its whole process group 
 (tests/test_distributed.py's `launched`).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -216,32 +217,18 @@ def test_tiny_dp_on_two_nodes_through_a_c10d_rendezvous(in_repo, tmp_path):
 
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_the_tracker_measures_what_check_counts_for_a_data_parallel_drafter(in_repo, tmp_path, engine):
-    """tiny_dp's drafter wrapped as the trainer wraps it (DistributedDataParallel on a 1-process gloo group; FSDP2's
-    fully_shard per layer and at the root on torch's fake process group of tiny_dp's 2 drafter ranks, where no
-    collective runs), one AdamW step, gradients dropped: the live bytes the tracker (exec/memtrack.py) measures on
-    d0 equal the drafter's resident bytes that check counts there (analysis/memory.py NOTE [Data-parallel memory]:
-    weights or their 1/M shards, AdamW's two moments, DDP's gradient buckets) byte for byte, plus AdamW's step
-    counters (a float32 scalar per parameter, torch/optim/adam.py _init_group; check does not count them: on CUDA
-    they stay on the host). Sharded, the moments are DTensors whose local tensors are made inside DTensor's own
-    dispatch, which a dispatch mode does not see: before the tracker counted a wrapper's inner tensors it measured
-    the weights' shards alone here."""
+@contextlib.contextmanager
+def tiny_dp_drafter(typed, engine: str, tmp_path):
+    """tiny_dp's drafter wrapped as the trainer wraps it, on a process group of its own for the with-block: DDP's
+    on a 1-process gloo group, FSDP2's (train/trainer.py _shard_fsdp) on torch's fake group of 2 ranks."""
     import types
 
     import torch
     import torch.distributed as dist
 
-    from dflash_graph.analysis.memory import device_events
-    from dflash_graph.exec.memtrack import LiveTracker
     from dflash_graph.models.nn.dflash import DFlashDrafter
-    from dflash_graph.rewrite.pipeline import compile_graph
     from dflash_graph.train.trainer import Trainer
 
-    typed = compile_graph("graphs/tiny_dp.toml", [f"models.drafter.parallel={engine}"]).typed
-    events, _ = device_events(typed, "d0")
-    predicted = sum(e.size for e in events if e.op == "alloc" and e.label.startswith(
-        ("load/weights drafter.", "load/AdamW", "load/DDP")))
     dims = typed.ctx.models["drafter"].dims
     if engine == "fsdp":
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -255,6 +242,33 @@ def test_the_tracker_measures_what_check_counts_for_a_data_parallel_drafter(in_r
         if engine == "fsdp":
             Trainer._shard_fsdp(types.SimpleNamespace(store=types.SimpleNamespace(drafters={"drafter": drafter}),
                                                       dp_group=dist.group.WORLD))
+        yield drafter
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_the_tracker_measures_what_check_counts_for_a_data_parallel_drafter(in_repo, tmp_path, engine):
+    """tiny_dp's drafter wrapped as the trainer wraps it (DistributedDataParallel on a 1-process gloo group; FSDP2's
+    fully_shard per layer and at the root on torch's fake process group of tiny_dp's 2 drafter ranks, where no
+    collective runs), one AdamW step, gradients dropped: the live bytes the tracker (exec/memtrack.py) measures on
+    d0 equal the drafter's resident bytes that check counts there (analysis/memory.py NOTE [Data-parallel memory]:
+    weights or their 1/M shards, AdamW's two moments, DDP's gradient buckets) byte for byte, plus AdamW's step
+    counters (a float32 scalar per parameter, torch/optim/adam.py _init_group; check does not count them: on CUDA
+    they stay on the host). Sharded, the moments are DTensors whose local tensors are made inside DTensor's own
+    dispatch, which a dispatch mode does not see: before the tracker counted a wrapper's inner tensors it measured
+    the weights' shards alone here."""
+    import torch
+
+    from dflash_graph.analysis.memory import device_events
+    from dflash_graph.exec.memtrack import LiveTracker
+    from dflash_graph.rewrite.pipeline import compile_graph
+
+    typed = compile_graph("graphs/tiny_dp.toml", [f"models.drafter.parallel={engine}"]).typed
+    events, _ = device_events(typed, "d0")
+    predicted = sum(e.size for e in events if e.op == "alloc" and e.label.startswith(
+        ("load/weights drafter.", "load/AdamW", "load/DDP")))
+    with tiny_dp_drafter(typed, engine, tmp_path) as drafter:
         params = [p for p in drafter.parameters() if p.requires_grad]
         tr = LiveTracker()
         for p in params:    # as the interpreter charges them (ModelStore.resident): a shard's local tensor
@@ -269,8 +283,6 @@ def test_the_tracker_measures_what_check_counts_for_a_data_parallel_drafter(in_r
             opt.zero_grad(set_to_none=True)
             measured = tr.live["d0"]
         del wrapped
-    finally:
-        dist.destroy_process_group()
     assert measured == predicted + 4 * len(params), (measured, predicted, len(params))
 
 
@@ -284,16 +296,11 @@ def test_the_drafters_backward_in_check_bounds_the_tracker_layer_by_layer(in_rep
     all-gather and reduce-scatter buffers per unit, analysis/memory.py NOTE [Data-parallel memory]), and check's
     excess is under 7% of its peak for the device (493,568 B on both engines: the layer's bound). Before, check put every weight gradient at the first backward
     node and held FSDP2's buffers through the whole backward."""
-    import types
-
     import torch
-    import torch.distributed as dist
 
     from dflash_graph.analysis.memory import device_events
     from dflash_graph.exec.memtrack import LiveTracker
-    from dflash_graph.models.nn.dflash import DFlashDrafter
     from dflash_graph.rewrite.pipeline import compile_graph
-    from dflash_graph.train.trainer import Trainer
 
     typed = compile_graph("graphs/tiny_dp.toml", [f"models.drafter.parallel={engine}"]).typed
     events, _ = device_events(typed, "d0")
@@ -312,18 +319,7 @@ def test_the_drafters_backward_in_check_bounds_the_tracker_layer_by_layer(in_rep
     shapes = {k: typed.types[r].sizes for k, r in
               dict(next(n for n in typed.graph.nodes if n.id == "drafter").inputs).items()}
     dims = typed.ctx.models["drafter"].dims
-    if engine == "fsdp":
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    else:
-        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        drafter = DFlashDrafter(dims, torch.nn.Embedding(dims.vocab_size, dims.hidden_size), own_norm=False)
-        if engine == "fsdp":
-            Trainer._shard_fsdp(types.SimpleNamespace(store=types.SimpleNamespace(drafters={"drafter": drafter}),
-                                                      dp_group=dist.group.WORLD))
+    with tiny_dp_drafter(typed, engine, tmp_path) as drafter:
         ctx = torch.randn(*shapes["context"])
         seq = shapes["input_ids"][0]
         ids, pos = torch.randint(0, dims.vocab_size, (seq,)), torch.arange(seq)
@@ -343,8 +339,6 @@ def test_the_drafters_backward_in_check_bounds_the_tracker_layer_by_layer(in_rep
                 for p in drafter.parameters():
                     p.grad = None
         del wrapped
-    finally:
-        dist.destroy_process_group()
     print(f"\n{engine}: the drafter's backward adds {measured:,} B measured, {predicted:,} B in check "
           f"({(predicted - measured) / peak:.2%} of check's d0 peak, {peak:,} B)")
     assert 0 <= predicted - measured <= 0.07 * peak, (predicted, measured, peak)

@@ -179,20 +179,9 @@ def test_a_from_disk_launch_of_the_online_size_is_refused_with_the_drafter_sides
     """tiny_dp online is 4 ranks; from the cache it is its 2 drafter ranks: a launch of 4 is refused before any
     work (exit 2) naming --nproc-per-node 2 and the drafter devices' ranks; --hybrid under torchrun is refused
     with the commands to run instead."""
-    from dflash_graph.exec import distributed as D
+    from test_distributed import as_torchrun_rank
 
-    exits = []
-
-    def _exit(code):
-        exits.append(code)
-        raise SystemExit(code)
-
-    monkeypatch.setattr(D.os, "_exit", _exit)
-    monkeypatch.setattr(D.signal, "signal", lambda *a: None)
-    monkeypatch.setattr(D, "VERDICT_WAIT", 0.0)
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    exits = as_torchrun_rank(monkeypatch, 4, 0)
     for extra, said in (([], ["torchrun started 4 processes, but the graph's devices map to 2 rank(s) (d0=0, d1=1)",
                               "--nproc-per-node 2"]),
                         (["--hybrid"], ["--hybrid runs the target side in the run's own process",
