@@ -19,20 +19,8 @@ def cmd_capture(args) -> int:
         return _cmd_capture(args, {})
     from ..exec import distributed
 
-    stage = {"shared": True}
     try:
-        return _cmd_capture(args, stage)
-    except GraphError as e:
-        if stage["shared"]:
-            distributed.shared_verdict(str(e), 2)
-        if distributed.record_exit(str(e).splitlines()[0]):   # another rank already printed this very error
-            distributed.exit_now(2)
-        raise
-    except KeyboardInterrupt:
-        if stage["shared"]:
-            distributed.shared_verdict("interrupted: Ctrl-C before the capture started; nothing was written",
-                                       distributed.EXIT_INTERRUPTED)
-        raise
+        return distributed.under_verdicts(lambda stage: _cmd_capture(args, stage), "the capture started")
     except distributed.RankLost as e:      # a rank was lost while this one captured or waited: every rank says so
         print(f"dflash-graph: {e}; the finished shards are kept: the same command again resumes the capture",
               file=sys.stderr, flush=True)

@@ -120,26 +120,9 @@ def cmd_run(args) -> int:
     rendezvous store first, so the other ranks name it instead of reporting a lost peer."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return _cmd_run(args, {})
-    from ..errors import GraphError
     from ..exec import distributed
 
-    stage = {"shared": True}
-    try:
-        code = _cmd_run(args, stage)
-    except GraphError as e:
-        if stage["shared"]:
-            distributed.shared_verdict(str(e), 2)
-        if distributed.record_exit(str(e).splitlines()[0]):   # another rank already printed this very error
-            distributed.exit_now(2)
-        raise
-    except KeyboardInterrupt:
-        if stage["shared"]:
-            distributed.shared_verdict("interrupted: Ctrl-C before training started; nothing was written",
-                                       distributed.EXIT_INTERRUPTED)
-        raise
-    if code != 0 and stage["shared"]:
-        distributed.shared_verdict("", code)
-    return code
+    return distributed.under_verdicts(lambda stage: _cmd_run(args, stage), "training started")
 
 
 def _cmd_run(args, stage: dict) -> int:

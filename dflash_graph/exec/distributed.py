@@ -75,6 +75,32 @@ def shared_verdict(text: str, code: int) -> None:
     os._exit(code)
 
 
+def under_verdicts(body: Callable[[dict], int], before: str) -> int:
+    """A command that every rank of a launch runs (`run`, `capture`): `body(stage)` keeps stage["shared"] true until
+    the process group exists. Until then every rank reaches the same verdict, so a refusal, a nonzero exit or a
+    Ctrl-C "before `before`" is printed once per machine (shared_verdict), not once per rank; after it, a rank that
+    stops on an error of its own records it in the rendezvous store first, so the other ranks name it instead of
+    reporting a lost peer."""
+    from ..errors import GraphError
+
+    stage = {"shared": True}
+    try:
+        code = body(stage)
+    except GraphError as e:
+        if stage["shared"]:
+            shared_verdict(str(e), 2)
+        if record_exit(str(e).splitlines()[0]):   # another rank already printed this very error
+            exit_now(2)
+        raise
+    except KeyboardInterrupt:
+        if stage["shared"]:
+            shared_verdict(f"interrupted: Ctrl-C before {before}; nothing was written", EXIT_INTERRUPTED)
+        raise
+    if code != 0 and stage["shared"]:
+        shared_verdict("", code)
+    return code
+
+
 class RankLost(Exception):
     """Another rank is gone or stalled; `str()` is the message every rank prints."""
 
@@ -455,7 +481,7 @@ class Comm:
             for src in sorted({t.src_rank for t in self.incoming if t.replica == r}):
                 h = torch.zeros(HEADER, dtype=torch.float64)
                 headers[src] = h
-                works.append(self._p2p(dist.irecv, h, src, self.ctrl, f"posting the receive of a header"))
+                works.append(self._p2p(dist.irecv, h, src, self.ctrl, "posting the receive of a header"))
             fut = self.pool.submit(self._complete, works)
             self._posted.append(((step, a, r), fut, bufs, headers))
 
