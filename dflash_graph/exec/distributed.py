@@ -538,6 +538,14 @@ class Comm:
             self._watch(self.pool.submit(self._complete, [work]), dst, f"the header of replica {r} to rank {dst}")
 
     # -- small control messages (setup and the end) ------------------------------------------------------------
+    def exchange(self, tensors: Sequence[torch.Tensor], peer: int, send: bool, what: str) -> None:
+        """Send `tensors` (contiguous, on the CPU) to `peer`, or receive into them, over the control group, as bytes,
+        watched (no stall_timeout): an exchange outside the training stream that must not queue behind a data
+        receive already posted on that pair (NCCL)."""
+        op = dist.isend if send else dist.irecv
+        works = [self._p2p(op, x.reshape(-1).view(torch.uint8), peer, self.ctrl, what) for x in tensors]
+        self._watch(self.pool.submit(self._complete, works), peer, what, stall=False)
+
     def broadcast(self, obj, src: int, what: str = "a broadcast"):
         """`src`'s obj on every rank. Watched (a setup wait: no stall_timeout), so a source that stops with an
         error of its own (Comm.fail) ends it with that error rather than a broken connection."""

@@ -171,7 +171,6 @@ def _transfer(t, payload: dict[str, torch.Tensor] | None) -> dict[str, torch.Ten
     """The writer's `payload` on the evaluator (CPU tensors), over the control group; None on the other ranks.
     Every rank takes part in the broadcast of the names, shapes and dtypes."""
     import torch
-    import torch.distributed as dist
 
     comm, src, dst = t.comm, t.writer, t.eval_rank
     meta = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in payload.items()] \
@@ -181,12 +180,11 @@ def _transfer(t, payload: dict[str, torch.Tensor] | None) -> dict[str, torch.Ten
         return None
     if t.rank == src:
         bufs = {k: v.to("cpu").contiguous() for k, v in payload.items()}
-        op, peer, what = dist.isend, dst, f"sending the drafter's weights to rank {dst} for the held-out evaluation"
+        peer, what = dst, f"sending the drafter's weights to rank {dst} for the held-out evaluation"
     else:
         bufs = {k: torch.empty(shape, dtype=getattr(torch, dt)) for k, shape, dt in meta}
-        op, peer, what = dist.irecv, src, f"the drafter's weights from rank {src} for the held-out evaluation"
-    works = [comm._p2p(op, bufs[k].reshape(-1).view(torch.uint8), peer, comm.ctrl, what) for k, *_ in meta]
-    comm._watch(comm.pool.submit(comm._complete, works), peer, what, stall=False)
+        peer, what = src, f"the drafter's weights from rank {src} for the held-out evaluation"
+    comm.exchange([bufs[k] for k, *_ in meta], peer, send=t.rank == src, what=what)
     return bufs if t.rank == dst else None
 
 
